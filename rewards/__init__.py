@@ -1,0 +1,1 @@
+"""Reward functions, referenced by registered name or `module:function`."""

@@ -1,0 +1,1 @@
+"""The RL controller, its config and the `rl-train` CLI."""

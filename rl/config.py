@@ -1,0 +1,198 @@
+"""The run's typed configuration: dataclasses merged from YAML and `key=value` overrides.
+
+Each package owns its section's dataclass (rollout.config, update.config); this module composes
+them. Defaults live here and nowhere else; unknown keys and wrong types are errors that name the
+key and list what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollout.config import RolloutConfig
+from update.config import LossConfig, TrainerConfig
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    "Run name: outputs go to <output_dir>/<name>/."
+    output_dir: str = "runs"
+    "Parent directory of run directories."
+    seed: int = 0
+    "Seed for data order, sampling and model building."
+    log_samples: int = 2
+    "Completions printed to rollouts.jsonl per step (all are kept when -1)."
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny-qwen2"
+    "A local Hugging Face model directory, or builtin:<preset> (built locally, cached)."
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "builtin:arithmetic"
+    "A .jsonl/.json/.parquet file of rows, or builtin:arithmetic (generated locally)."
+    prompt_key: str = "prompt"
+    "Row field holding the prompt: a user message string or a list of chat messages."
+    system_prompt: Optional[str] = None
+    "A system message prepended to string prompts (None: no system message)."
+    num_rows: int = 4000
+    "Rows of builtin:arithmetic to generate."
+    max_operand: int = 20
+    "builtin:arithmetic operands lie in [0, max_operand]."
+
+
+@dataclass
+class WarmupConfig:
+    sft_steps: int = 0
+    "Supervised steps on the task's answers before RL (0: start from model.path as is)."
+    lr: float = 2e-3
+    "Warm-up learning rate."
+    batch_size: int = 64
+    "Warm-up samples per optimizer step (all ranks together)."
+    answer_noise: float = 0.0
+    "Fraction of warm-up targets replaced by a near-miss number: a deliberately imperfect base."
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    "Algorithm name (shown in logs; the estimator and loss below define it)."
+    advantage: str = "grpo"
+    "Advantage estimator registered in rl.advantages.ADVANTAGE_ESTIMATORS."
+    norm_by_std: bool = True
+    "GRPO: divide group-centred rewards by the group std (Dr.GRPO turns this off)."
+    num_mini_batches: int = 1
+    "Optimizer steps per rollout batch (the batch is split into this many mini-batches)."
+    loss: LossConfig = field(default_factory=LossConfig)
+    "Policy loss, clipping, aggregation and KL."
+
+
+@dataclass
+class RewardConfig:
+    name: str = "exact_answer"
+    "A registered reward name or module:function."
+    fallback: float = 0.0
+    "Reward given to a sample whose reward function raised or returned a non-number/NaN."
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = 32.0
+    "Largest bucket of gathered weights in MiB (bounds the extra memory of a sync)."
+    tolerance: float = 1e-3
+    "Largest allowed |trainer - engine| probe logprob after a sync (1e-3 fits fp32 on both sides)."
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    "None: start a local Ray instance; 'auto' or host:port: join an existing cluster."
+    num_workers: int = 2
+    "Colocated workers, one trainer rank + one rollout engine each."
+    num_cpus_per_worker: float = 1.0
+    "CPUs Ray reserves per worker."
+    num_gpus_per_worker: float = 0.0
+    "GPUs Ray reserves per worker (1.0 on a GPU cluster)."
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema; the message says the fix."""
+
+
+def _known_keys(node) -> str:
+    from omegaconf import OmegaConf
+
+    try:
+        return ", ".join(OmegaConf.to_container(node, resolve=False).keys())
+    except Exception:  # a leaf, not a section: nothing to list
+        return ""
+
+
+def _explain(e, schema, path: str | None) -> str:
+    """One line: the key, what was wrong, and what is allowed there."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    key = getattr(e, "full_key", None) or "?"
+    where = f" (in {path})" if path else ""
+    first = str(e).splitlines()[0]
+    if isinstance(e, ConfigKeyError):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        section = OmegaConf.select(schema, parent) if parent else schema
+        return (f"config key '{key}'{where} is not known: {first}; known keys"
+                f"{' in ' + parent if parent else ''}: {_known_keys(section)}")
+    default = OmegaConf.select(schema, key, default=None)
+    hint = f"; give a {type(default).__name__} like the default {default!r}" \
+        if isinstance(default, (int, float, str, bool)) else ""
+    return f"config key '{key}'{where} has a wrong value: {first}{hint}"
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Schema defaults <- YAML recipe <- key=value overrides, validated; returns a Config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    layers = []
+    try:
+        if path is not None:
+            layers.append(OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. rollout.n=8)")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e, schema, path)) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks a type cannot express."""
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    split = cfg.ray.num_workers * cfg.algorithm.num_mini_batches
+    if samples % split:
+        raise ConfigError(
+            f"rollout.prompts_per_step * rollout.n = {samples} samples do not split evenly over "
+            f"ray.num_workers * algorithm.num_mini_batches = {split}; change one so it divides")
+    if cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: group advantages need n >= 2")
+    if cfg.trainer.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")
+    if cfg.trainer.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"trainer.dtype={cfg.trainer.dtype!r}: use float32 or bfloat16")
+    if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
+        raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
+
+
+def grad_accum_steps(cfg: Config) -> int:
+    """Micro-batches per rank per optimizer step, given the fixed rollout batch."""
+    per_rank = cfg.rollout.prompts_per_step * cfg.rollout.n // (
+        cfg.ray.num_workers * cfg.algorithm.num_mini_batches)
+    return -(-per_rank // cfg.trainer.micro_batch_size)
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,63 @@
+"""The quickstart task: small integer arithmetic with an exact answer, generated locally.
+
+Rows are {"prompt": str, "answer": str}; the prompt is the user message, rendered later with the
+tokenizer's chat template. Files are written with `datasets` (jsonl or parquet by extension).
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+TEMPLATE = "What is {a} {op} {b}? Reply with the number only."
+
+
+def arithmetic_rows(num_rows: int, max_operand: int, seed: int, ops: str = "+-") -> list[dict]:
+    """Distinct-as-possible a op b problems with 0 <= a, b <= max_operand (answers may be < 0)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice(ops)
+        answer = a + b if op == "+" else a - b
+        rows.append({"prompt": TEMPLATE.format(a=a, op=op, b=b), "answer": str(answer)})
+    return rows
+
+
+def corpus() -> list[str]:
+    """Text that a tokenizer for this task must cover (the template and every number it uses)."""
+    lines = [TEMPLATE.format(a=a, op=op, b=b) for a in range(0, 100, 7) for b in range(0, 100, 3)
+             for op in "+-"]
+    lines += [str(n) for n in range(-200, 201)] * 3
+    lines += ["The answer is 12.", "Sure! It is 7.", "I do not know."]
+    lines += ["user\n", "assistant\n", "system\n"] * 50  # chat-template roles: one token each
+    return lines
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Write rows with `datasets` (format from the suffix: .jsonl/.json or .parquet)."""
+    import datasets
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds = datasets.Dataset.from_list(rows)
+    if path.suffix == ".parquet":
+        ds.to_parquet(str(path))
+    elif path.suffix in (".jsonl", ".json"):
+        ds.to_json(str(path), lines=True)
+    else:
+        raise ValueError(f"data file '{path}': use a .jsonl, .json or .parquet suffix")
+    return path
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Read a jsonl/json/parquet file with `datasets` into a list of dict rows."""
+    import datasets
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file '{path}' does not exist; check data.train_path")
+    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix)
+    if kind is None:
+        raise ValueError(f"data file '{path}': use a .jsonl, .json or .parquet suffix")
+    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    return ds.to_list()

@@ -1,0 +1,81 @@
+"""Supervised warm-up: turn a random model into a weak "base" model for the task, once, cached.
+
+A random model scores ~0 on the task and GRPO then has no signal. A short SFT on the rows'
+answers, run on the same DeepSpeed workers as RL, makes a model that answers some prompts. With
+`answer_noise`, that fraction of targets is a near miss (answer +- 1..3), so the base model is
+deliberately unsure: its sampled reward starts low but not at zero, and RL has room to climb.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from rl.batch import Sample, chunk, collate
+from rl.config import Config
+
+
+def warmup_dir(model_path: str, cfg: Config) -> Path:
+    from rl.models import cache_root
+
+    ident = [str(Path(model_path).resolve()), asdict(cfg.warmup), asdict(cfg.data),
+             cfg.run.seed, cfg.ray.num_workers, cfg.trainer.micro_batch_size]
+    key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:12]
+    return cache_root() / "warmup" / f"{Path(model_path).name}-{key}"
+
+
+def sft_target(answer: str, noise: float, rng: random.Random) -> str:
+    if noise > 0 and rng.random() < noise:
+        try:
+            return str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+        except ValueError:  # not an integer answer: keep it
+            return answer
+    return answer
+
+
+def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
+    """SFT on the workers' trainers; saves and returns the base model directory (cached)."""
+    import ray
+
+    out = warmup_dir(model_path, cfg)
+    if (out / "config.json").exists():
+        print(f"warm-up: reusing the cached base model {out}", flush=True)
+        return str(out)
+    w = cfg.warmup
+    world = len(workers)
+    per_rank = max(1, w.batch_size // world)
+    grad_accum = -(-per_rank // cfg.trainer.micro_batch_size)
+    trainer_cfg = replace(cfg.trainer, lr=w.lr, zero_stage=cfg.trainer.zero_stage)
+    loss_cfg = replace(cfg.algorithm.loss, kl_coef=0.0)
+    ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
+             for wk in workers])
+    rng = random.Random(cfg.run.seed)
+    eos = tokenizer.eos_token_id
+    print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
+          f"(answer_noise={w.answer_noise})", flush=True)
+    for step in range(1, w.sft_steps + 1):
+        rows = prompts.next_batch(per_rank * world)
+        samples = []
+        for i in rows:
+            target = sft_target(str(prompts.rows[i]["answer"]), w.answer_noise, rng)
+            response = tokenizer.encode(target, add_special_tokens=False) + [eos]
+            samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
+        num_tokens = float(sum(len(s.response_ids) for s in samples))
+        futures = []
+        for wk, part in zip(workers, chunk(samples, world)):
+            micro = [collate(m, tokenizer.pad_token_id) for m in chunk(part, grad_accum) if m]
+            futures.append(wk.sft.remote(micro, num_tokens))
+        loss = sum(m["loss/sft"] for m in ray.get(futures))
+        if step % 50 == 0 or step == w.sft_steps:
+            print(f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}", flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ray.get([wk.save_hf.remote(str(tmp)) for wk in workers])
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"warm-up: saved the base model to {out}", flush=True)
+    return str(out)

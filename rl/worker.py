@@ -1,0 +1,108 @@
+"""The colocated worker: one Ray actor holds one trainer rank and one rollout engine.
+
+The two take turns in the same process (CPU: same cores; GPU: same device). The worker only
+wires them together; the trainer, the engine and the weight transport stay separate objects.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from rollout.config import RolloutConfig
+from update.config import LossConfig, TrainerConfig
+
+
+def cpu_binding(rank: int, world_size: int, num_cpus: int) -> str:
+    """The cores rank `rank` owns, as 'a-b' for VLLM_CPU_OMP_THREADS_BIND."""
+    per_rank = max(1, num_cpus // world_size)
+    first = (rank * per_rank) % num_cpus
+    return f"{first}-{first + per_rank - 1}"
+
+
+class ColocatedWorker:
+    def __init__(self, rank: int, world_size: int):
+        import torch
+
+        self.rank, self.world_size = rank, world_size
+        if not torch.cuda.is_available():
+            num_cpus = os.cpu_count() or 1
+            threads = max(1, num_cpus // world_size)
+            # vLLM makes torch.set_num_threads a no-op once it binds threads: set them first.
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(rank, world_size, num_cpus)
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        from update.trainer import device_name
+
+        self.device = device_name()
+        self.trainer = None
+        self.engine = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): rank 0's answer is the process group's address."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        from update.trainer import init_distributed
+
+        init_distributed(self.rank, self.world_size, master_addr, master_port)
+
+    # ------------------------------------------------------------------ set-up
+    def init_trainer(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
+                     grad_accum: int, temperature: float) -> None:
+        from update.trainer import PolicyTrainer
+
+        self.trainer = None  # release the previous engine first (warm-up -> RL)
+        self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature)
+
+    def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int) -> None:
+        from rollout.vllm_engine import VLLMEngine
+
+        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
+
+    # ------------------------------------------------------------------ the step
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[dict]]:
+        out = self.engine.generate(prompts, seeds=seeds)
+        return [[asdict(c) for c in group] for group in out]
+
+    def train(self, micro_batches: list[dict], num_tokens: float, num_seqs: float) -> dict:
+        return self.trainer.train_step(micro_batches, num_tokens, num_seqs)
+
+    def sft(self, micro_batches: list[dict], num_tokens: float) -> dict:
+        return self.trainer.sft_step(micro_batches, num_tokens)
+
+    def sync_weights(self, bucket_bytes: int, probe: list[int], tolerance: float) -> dict:
+        """Stream the trainer's weights into this rank's engine, then verify them on a probe."""
+        import time
+
+        from weight_sync.buckets import SyncStats, iter_full_weights
+        from weight_sync.verify import check_logprobs
+
+        t0 = time.perf_counter()
+        stats = SyncStats()
+        tied = bool(getattr(self.trainer.module.config, "tie_word_embeddings", False))
+        self.engine.load_weights(iter_full_weights(self.trainer.module, bucket_bytes, tied, stats))
+        seconds = time.perf_counter() - t0
+        diff = check_logprobs(self.trainer.sequence_logprobs(probe),
+                              self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
+        return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
+                "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
+                "sync/logprob_max_abs_diff": diff}
+
+    def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
+        """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""
+        return self.trainer.sequence_logprobs(probe), self.engine.prompt_logprobs(probe)
+
+    # ------------------------------------------------------------------ outputs
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        self.trainer.save_checkpoint(directory, tag)
+
+    def save_hf(self, directory: str) -> None:
+        self.trainer.save_hf(directory)

@@ -1,0 +1,1 @@
+"""Generation on vLLM: samples with token ids, per-token logprobs and finish reasons."""

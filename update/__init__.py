@@ -1,0 +1,1 @@
+"""Training on DeepSpeed (ZeRO-1/2/3): token logprobs, policy losses, optimizer steps."""

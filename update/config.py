@@ -1,0 +1,48 @@
+"""Typed configuration of the update side (DeepSpeed trainer and its loss)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    zero_stage: int = 3
+    "DeepSpeed ZeRO stage (1, 2 or 3)."
+    dtype: str = "float32"
+    "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
+    lr: float = 1e-5
+    "AdamW learning rate."
+    weight_decay: float = 0.0
+    "AdamW weight decay."
+    beta1: float = 0.9
+    "AdamW beta1."
+    beta2: float = 0.999
+    "AdamW beta2."
+    grad_clip: float = 1.0
+    "Global gradient-norm clip; 0 turns it off."
+    zero3_persistence_threshold: int = 0
+    "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
+    micro_batch_size: int = 8
+    "Samples per forward/backward on one rank; gradient accumulation covers the rest."
+    gradient_checkpointing: bool = False
+    "Recompute activations in backward (less memory, about 30% more time)."
+    total_steps: int = 20
+    "RL steps (one rollout batch and its update each)."
+    checkpoint_every: int = 0
+    "Save a DeepSpeed checkpoint every N steps; 0 saves none."
+
+
+@dataclass
+class LossConfig:
+    policy_loss: str = "ppo_clip"
+    "Policy loss registered in update.losses.POLICY_LOSSES."
+    clip_low: float = 0.2
+    "Lower clip range of the importance ratio (1 - clip_low)."
+    clip_high: float = 0.2
+    "Upper clip range of the importance ratio (1 + clip_high); DAPO's clip-higher raises it."
+    loss_agg: str = "token_mean"
+    "How per-token losses become one number, registered in update.losses.LOSS_AGGREGATIONS."
+    kl_coef: float = 0.0
+    "Weight of the KL-to-reference loss term; 0 skips the reference model entirely."
+    kl_estimator: str = "k3"
+    "KL estimator registered in update.losses.KL_ESTIMATORS (k1, k2, k3)."

@@ -1,0 +1,170 @@
+"""A DeepSpeed (ZeRO-1/2/3) policy trainer: token logprobs, policy-loss steps, SFT steps.
+
+Batches arrive as micro-batches of padded tensors (see `MicroBatch` keys below). Every loss is
+normalized by the token/sequence count of the *global* batch, then multiplied by
+world_size * grad_accum so that DeepSpeed's own averaging (over ranks and accumulation steps)
+leaves exactly the global mean: the update does not depend on how the batch was split.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from update.config import LossConfig, TrainerConfig
+from update.losses import LossInputs, nll_loss, policy_loss
+
+# MicroBatch keys: input_ids [B, L] long, attention_mask [B, L] long,
+# response_mask [B, L-1] float (1 on response tokens, aligned with the logprob of token t+1),
+# advantages [B, L-1] float; optional old_logprobs [B, L-1].
+
+
+def device_name() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Join the trainer's process group (gloo on CPU, NCCL on GPU)."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device_name() == "cuda" else "gloo")
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0):
+    """log p(token_{t+1} | tokens_<=t): [B, L, V] logits, [B, L] ids -> [B, L-1]."""
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": cfg.micro_batch_size * grad_accum * world_size,
+        "zero_optimization": {
+            "stage": cfg.zero_stage,
+            # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
+            "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
+        },
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        config["gradient_clipping"] = cfg.grad_clip
+        config["zero_allow_untested_optimizer"] = True  # a client torch AdamW: no JIT op build
+    return config
+
+
+class PolicyTrainer:
+    """The policy on a DeepSpeed engine, plus a frozen reference engine when KL is used."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
+                 grad_accum: int, temperature: float = 1.0):
+        import deepspeed
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
+        self.world_size = dist.get_world_size()
+        self.grad_accum = grad_accum
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                      weight_decay=cfg.weight_decay)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
+        self.ref = None
+        if loss_cfg.kl_coef > 0:
+            ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            ref_model.requires_grad_(False)
+            self.ref, *_ = deepspeed.initialize(
+                model=ref_model, config=ds_config(cfg, self.world_size, grad_accum, train=False))
+            self.ref.eval()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def _logprobs(self, engine, mb: dict) -> torch.Tensor:
+        dev = engine.device
+        out = engine(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                     use_cache=False)
+        return token_logprobs(out.logits, mb["input_ids"].to(dev), self.temperature)
+
+    def _check_accum(self, micro_batches: list[dict]) -> None:
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"got {len(micro_batches)} micro-batches, the engine was built for "
+                             f"{self.grad_accum} per optimizer step; split batches the same way")
+
+    def train_step(self, micro_batches: list[dict], num_tokens: float, num_seqs: float) -> dict:
+        """One optimizer step of the policy loss; metrics are this rank's share of global means."""
+        self._check_accum(micro_batches)
+        self.engine.train()
+        sums: dict[str, float] = {}
+        for mb in micro_batches:
+            dev = self.engine.device
+            logprobs = self._logprobs(self.engine, mb)
+            ref_logprobs = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logprobs = self._logprobs(self.ref, mb)
+            old = mb.get("old_logprobs")
+            inputs = LossInputs(
+                logprobs=logprobs,
+                old_logprobs=logprobs.detach() if old is None else old.to(dev),
+                advantages=mb["advantages"].to(dev), response_mask=mb["response_mask"].to(dev),
+                num_tokens=num_tokens, num_seqs=num_seqs, ref_logprobs=ref_logprobs)
+            loss, metrics = policy_loss(inputs, self.loss_cfg)
+            self.engine.backward(loss * self.world_size * self.grad_accum)
+            self.engine.step()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        sums["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        return sums
+
+    def sft_step(self, micro_batches: list[dict], num_tokens: float) -> dict:
+        """One optimizer step of supervised NLL on the response tokens (the warm-up)."""
+        self._check_accum(micro_batches)
+        self.engine.train()
+        total = 0.0
+        for mb in micro_batches:
+            logprobs = self._logprobs(self.engine, mb)
+            loss = nll_loss(logprobs, mb["response_mask"].to(logprobs.device), num_tokens)
+            self.engine.backward(loss * self.world_size * self.grad_accum)
+            self.engine.step()
+            total += float(loss)
+        return {"loss/sft": total}
+
+    @torch.no_grad()
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Logprob of each token after the first (a collective under ZeRO-3: every rank calls)."""
+        self.engine.eval()
+        ids = torch.tensor([token_ids])
+        lp = self._logprobs(self.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        return lp[0].tolist()
+
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        """DeepSpeed checkpoint (model, optimizer, LR state); every rank calls."""
+        self.engine.save_checkpoint(directory, tag=tag)
+
+    def full_state_dict(self) -> dict | None:
+        """Unsharded weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
+        import torch.distributed as dist
+
+        if self.cfg.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.module.state_dict() if dist.get_rank() == 0 else None
+
+    def save_hf(self, directory: str) -> None:
+        """An HF model directory loadable by from_pretrained (weights only; rank 0 writes)."""
+        state = self.full_state_dict()
+        if state is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self.module.save_pretrained(directory, state_dict=state)

@@ -1,0 +1,1 @@
+"""Moving trained parameters into the rollout engine: bucketed gathering and verification."""

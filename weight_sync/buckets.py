@@ -1,0 +1,72 @@
+"""Gather a (possibly ZeRO-3 sharded) module's parameters in buckets of bounded size.
+
+The sending side of every sync: an iterator of (HF name, full tensor). Under ZeRO-3 each bucket
+is gathered with `deepspeed.zero.GatheredParameters` (a collective: every rank iterates the same
+plan in the same order) and copied out, so at most one bucket of full weights exists at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3 keeps the full size here
+
+
+def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int):
+    """Split parameters, in order, into buckets of at most bucket_bytes (a larger tensor alone)."""
+    buckets, current, size = [], [], 0
+    for name, p in named_params:
+        nbytes = _numel(p) * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class SyncStats:
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bytes: int = 0
+    max_bucket_bytes: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, tied_lm_head: bool,
+                      stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) for every parameter, gathering one bucket at a time.
+
+    With tied embeddings the head is not a separate parameter, yet vLLM keeps its own copy:
+    `lm_head.weight` is sent explicitly, or the engine silently keeps the old head.
+    """
+    stats = stats if stats is not None else SyncStats()
+    for bucket in plan_buckets(list(module.named_parameters()), bucket_bytes):
+        params = [p for _, p in bucket]
+        sharded = any(hasattr(p, "ds_id") for p in params)
+        if sharded:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        else:
+            ctx = torch.no_grad()
+        with ctx:
+            out = [(name, p.data.detach().clone()) for name, p in bucket]
+        nbytes = sum(t.numel() * t.element_size() for _, t in out)
+        stats.num_buckets += 1
+        stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+        for name, tensor in out:
+            stats.num_tensors += 1
+            stats.bytes += tensor.numel() * tensor.element_size()
+            stats.names.append(name)
+            yield name, tensor
+            if tied_lm_head and name.endswith("embed_tokens.weight"):
+                stats.names.append("lm_head.weight")
+                yield "lm_head.weight", tensor
