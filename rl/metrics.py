@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 
@@ -13,7 +12,6 @@ class RunLog:
         self.total_steps = total_steps
         self.metrics_path = run_dir / "metrics.jsonl"
         self.rollouts_path = run_dir / "rollouts.jsonl"
-        self.start = time.perf_counter()
         self.history: list[dict] = []
 
     def log_step(self, metrics: dict) -> None:
@@ -27,8 +25,9 @@ class RunLog:
 
     def console_line(self, m: dict) -> str:
         step = m["step"]
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total_steps - step) if step else 0.0
+        # the first step pays engine warm-up: estimate from the later ones when there are some
+        recent = [h["time/step"] for h in self.history[1:][-20:]] or [m["time/step"]]
+        eta = sum(recent) / len(recent) * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}",
                  f"reward {m['reward/mean']:.3f}±{m['reward/std']:.2f}",
                  f"loss {m.get('loss/policy', math.nan):+.4f}"]

@@ -139,7 +139,7 @@ class PolicyTrainer:
             loss = nll_loss(logprobs, mb["response_mask"].to(logprobs.device), num_tokens)
             self.engine.backward(loss * self.world_size * self.grad_accum)
             self.engine.step()
-            total += float(loss)
+            total += loss.item()
         return {"loss/sft": total}
 
     @torch.no_grad()

@@ -1,0 +1,43 @@
+"""Padded micro-batches and the split of a rollout batch over mini-batches, ranks, micro-batches."""
+import pytest
+import torch
+
+from rl.batch import Sample, chunk, collate, plan_update
+
+
+def sample(prompt, response, adv=0.0, lps=None):
+    return Sample(0, 0, prompt, response, lps or [], "stop", "", advantage=adv)
+
+
+def test_collate_aligns_response_mask_with_next_token_logprobs():
+    # prompt [5, 6, 7], response [8, 9]: logprob index t scores token t+1, so the response
+    # tokens (positions 3, 4) are scored at indices 2 and 3
+    b = collate([sample([5, 6, 7], [8, 9], adv=0.5, lps=[-1.0, -2.0]), sample([5], [4])], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert b["response_mask"].tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
+    assert b["advantages"].tolist() == [[0, 0, 0.5, 0.5], [0, 0, 0, 0]]
+    assert b["rollout_logprobs"].tolist() == [[0, 0, -1.0, -2.0], [0, 0, 0, 0]]
+
+
+def test_chunk_sizes_differ_by_at_most_one():
+    assert [len(c) for c in chunk(list(range(7)), 3)] == [3, 2, 2]
+    assert sum(chunk(list(range(7)), 3), []) == list(range(7))
+
+
+def test_plan_update_counts_global_tokens_and_fills_every_micro_batch():
+    samples = [sample([1, 2], [3] * (i % 3 + 1)) for i in range(16)]
+    plan = plan_update(samples, world_size=2, num_mini_batches=2, grad_accum=2, pad_id=0, seed=0)
+    assert len(plan.mini_batches) == 2
+    assert all(len(ranks) == 2 and all(len(m) == 2 for m in ranks) for ranks in plan.mini_batches)
+    assert plan.num_seqs == [8.0, 8.0]
+    # the planned token counts equal the response tokens that land in the micro-batches
+    for ranks, tokens in zip(plan.mini_batches, plan.num_tokens):
+        assert sum(float(mb["response_mask"].sum()) for r in ranks for mb in r) == tokens
+    assert sum(plan.num_tokens) == sum(len(s.response_ids) for s in samples)
+
+
+def test_plan_update_refuses_a_split_that_leaves_a_micro_batch_empty():
+    with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
+        plan_update([sample([1], [2])] * 4, world_size=2, num_mini_batches=1, grad_accum=4,
+                    pad_id=0, seed=0)
