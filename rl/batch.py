@@ -1,14 +1,20 @@
 """Samples and the padded tensors the trainer consumes.
 
 Glossary: B samples, L = longest prompt + response in the micro-batch; token-level tensors are
-[B, L-1], aligned with the logprob of token t+1 given tokens <= t.
+[B, L-1], aligned with the logprob of token t+1 given tokens <= t. A sample keeps its token-level
+values for the response only (length R); `collate` places them at [p-1, p+R-1).
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from update.losses import BatchCounts
+
+TOKEN_FIELDS = ("advantages", "returns", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+                "values")
 
 
 @dataclass
@@ -20,31 +26,40 @@ class Sample:
     rollout_logprobs: list[float]
     finish_reason: str
     text: str
-    reward: float = 0.0
-    advantage: float = 0.0
+    reward: float = 0.0  # the reward function's value
+    score: float = 0.0  # reward + shaping (e.g. overlong penalty): what advantages use
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+    old_logprobs: list[float] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict:
-    """Right-padded tensors for one micro-batch."""
+    """Right-padded tensors for one micro-batch (token fields only where every sample has them)."""
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     b = len(samples)
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((b, length), dtype=torch.long)
     response_mask = torch.zeros((b, length - 1))
-    advantages = torch.zeros((b, length - 1))
-    rollout_logprobs = torch.zeros((b, length - 1))
+    present = [f for f in TOKEN_FIELDS if all(getattr(s, f) for s in samples)]
+    tokens = {f: torch.zeros((b, length - 1)) for f in present}
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[i, :p + r] = 1
         # logprob index t scores token t+1: response tokens sit at p .. p+r-1
         response_mask[i, p - 1:p + r - 1] = 1.0
-        advantages[i, p - 1:p + r - 1] = s.advantage
-        if s.rollout_logprobs:
-            rollout_logprobs[i, p - 1:p + r - 1] = torch.tensor(s.rollout_logprobs)
+        for f in present:
+            tokens[f][i, p - 1:p + r - 1] = torch.tensor(getattr(s, f), dtype=torch.float32)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "response_mask": response_mask, "advantages": advantages,
-            "rollout_logprobs": rollout_logprobs}
+            "response_mask": response_mask, **tokens}
+
+
+def response_slice(sample: Sample, row: torch.Tensor) -> list[float]:
+    """A sample's response part of a [L-1] token-level row, as a list."""
+    p, r = len(sample.prompt_ids), len(sample.response_ids)
+    return row[p - 1:p + r - 1].tolist()
 
 
 def chunk(items: list, parts: int) -> list[list]:
@@ -58,12 +73,24 @@ def chunk(items: list, parts: int) -> list[list]:
     return out
 
 
+def split_ranks(samples: list[Sample], world_size: int, grad_accum: int) -> list[list[list[Sample]]]:
+    """[rank][micro] lists of samples: every rank gets exactly `grad_accum` micro-batches, so
+    ZeRO-3's collective forwards stay in step."""
+    out = []
+    for rank_samples in chunk(samples, world_size):
+        micros = [m for m in chunk(rank_samples, grad_accum) if m]
+        if len(micros) != grad_accum:
+            raise ValueError(f"{len(rank_samples)} samples on a rank cannot fill "
+                             f"{grad_accum} micro-batches; check trainer.micro_batch_size")
+        out.append(micros)
+    return out
+
+
 @dataclass
 class UpdatePlan:
     """mini_batches[m][rank] is that rank's list of micro-batches for optimizer step m."""
     mini_batches: list[list[list[dict]]]
-    num_tokens: list[float]  # response tokens per mini-batch, all ranks together
-    num_seqs: list[float]
+    counts: list[BatchCounts]  # per mini-batch, all ranks together
 
 
 def plan_update(samples: list[Sample], world_size: int, num_mini_batches: int,
@@ -71,16 +98,10 @@ def plan_update(samples: list[Sample], world_size: int, num_mini_batches: int,
     """Shuffle, split into mini-batches, then ranks, then exactly `grad_accum` micro-batches."""
     order = list(samples)
     random.Random(seed).shuffle(order)
-    plan = UpdatePlan([], [], [])
+    plan = UpdatePlan([], [])
     for mini in chunk(order, num_mini_batches):
-        plan.num_tokens.append(float(sum(len(s.response_ids) for s in mini)))
-        plan.num_seqs.append(float(len(mini)))
-        ranks = []
-        for rank_samples in chunk(mini, world_size):
-            micros = [m for m in chunk(rank_samples, grad_accum) if m]
-            if len(micros) != grad_accum:
-                raise ValueError(f"{len(rank_samples)} samples on a rank cannot fill "
-                                 f"{grad_accum} micro-batches; check trainer.micro_batch_size")
-            ranks.append([collate(m, pad_id) for m in micros])
-        plan.mini_batches.append(ranks)
+        plan.counts.append(BatchCounts(num_tokens=float(sum(len(s.response_ids) for s in mini)),
+                                       num_seqs=float(len(mini))))
+        plan.mini_batches.append([[collate(m, pad_id) for m in micros]
+                                  for micros in split_ranks(mini, world_size, grad_accum)])
     return plan

@@ -60,15 +60,35 @@ class WarmupConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    "Algorithm name (shown in logs; the estimator and loss below define it)."
+    "Algorithm name (shown in logs; the fields below define it)."
     advantage: str = "grpo"
-    "Advantage estimator registered in rl.advantages.ADVANTAGE_ESTIMATORS."
+    "Advantage estimator in rl.advantages.ADVANTAGE_ESTIMATORS (grpo, dr_grpo, rloo, reinforce_pp, gae)."
     norm_by_std: bool = True
-    "GRPO: divide group-centred rewards by the group std (Dr.GRPO turns this off)."
+    "grpo: divide group-centred rewards by the group std."
+    eps: float = 1e-6
+    "grpo: added to the group std."
+    reinforce_pp_group_baseline: bool = False
+    "reinforce_pp: subtract the group mean score first (REINFORCE++-baseline)."
+    gamma: float = 1.0
+    "Discount of token rewards (reinforce_pp, gae); 1.0 as in verl/OpenRLHF for LLMs."
+    lam: float = 0.95
+    "GAE lambda."
+    critic: bool = False
+    "Train a value model beside the policy (PPO); needed by advantage: gae."
     num_mini_batches: int = 1
-    "Optimizer steps per rollout batch (the batch is split into this many mini-batches)."
+    "Optimizer steps per epoch over the rollout batch (the batch is split into this many)."
+    ppo_epochs: int = 1
+    "Passes over the rollout batch per step (old logprobs are computed once, before them)."
+    dynamic_sampling: bool = False
+    "DAPO: drop groups whose rewards are all equal and sample more prompts to fill the batch."
+    max_sampling_rounds: int = 4
+    "Dynamic sampling: rollout rounds per step at most; then flat groups fill what is missing."
+    overlong_buffer: int = 0
+    "DAPO overlong shaping: tokens before rollout.max_new_tokens where a linear penalty starts; 0 = off."
+    overlong_penalty: float = 1.0
+    "Reward subtracted at full length under overlong shaping."
     loss: LossConfig = field(default_factory=LossConfig)
-    "Policy loss, clipping, aggregation and KL."
+    "Policy loss, clipping, aggregation, KL, entropy and TIS."
 
 
 @dataclass
@@ -175,7 +195,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"rollout.prompts_per_step * rollout.n = {samples} samples do not split evenly over "
             f"ray.num_workers * algorithm.num_mini_batches = {split}; change one so it divides")
-    if cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
+    algo = cfg.algorithm
+    if algo.advantage == "gae" and not algo.critic:
+        raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.critic=true")
+    if algo.overlong_buffer >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if cfg.rollout.n < 2 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group advantages need n >= 2")
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")

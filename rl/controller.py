@@ -1,18 +1,19 @@
-"""The RL controller: generate -> score -> advantages -> update -> sync, once per step."""
+"""The RL controller: generate -> score -> prepare -> advantages -> update -> sync, per step."""
 from __future__ import annotations
 
-import math
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from rl.advantages import compute_advantages
-from rl.batch import Sample, chunk, plan_update
+from rl.advantages import AdvantageInputs, compute_advantages
+from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
+from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
+from rl.placement import start_ray, start_workers, stop_workers
 from rl.rewarding import RewardScorer
+from update.losses import kl as kl_estimate
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -26,51 +27,33 @@ def new_run_dir(cfg: Config) -> Path:
     return path
 
 
-def start_ray(cfg: Config) -> None:
-    import ray
-
-    from rl.models import cache_root
-
-    if ray.is_initialized():
-        return
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning",
-           "RL_CACHE_DIR": str(cache_root())}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env={"env_vars": env})
-    else:
-        need = math.ceil(cfg.ray.num_workers * cfg.ray.num_cpus_per_worker)
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-                 runtime_env={"env_vars": env})
+def padded(samples: list[Sample], name: str) -> torch.Tensor:
+    """[B, T] response-only token values of `name` (T = the longest response), zero-padded."""
+    width = max(len(s.response_ids) for s in samples)
+    out = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        values = getattr(s, name)
+        out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
-def start_workers(cfg: Config) -> list:
-    """One colocated worker per rank, placed by a Ray placement group, joined in one group."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+def response_mask(samples: list[Sample]) -> torch.Tensor:
+    width = max(len(s.response_ids) for s in samples)
+    return (torch.arange(width)[None, :] <
+            torch.tensor([len(s.response_ids) for s in samples])[:, None]).float()
 
-    from rl.worker import ColocatedWorker
 
-    bundle = {"CPU": cfg.ray.num_cpus_per_worker}
-    if cfg.ray.num_gpus_per_worker:
-        bundle["GPU"] = cfg.ray.num_gpus_per_worker
-    pg = placement_group([bundle] * cfg.ray.num_workers, strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
-    actor = ray.remote(ColocatedWorker)
-    workers = [actor.options(
-        num_cpus=cfg.ray.num_cpus_per_worker, num_gpus=cfg.ray.num_gpus_per_worker,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-    ).remote(r, cfg.ray.num_workers) for r in range(cfg.ray.num_workers)]
-    addr, port = ray.get(workers[0].rendezvous_address.remote())
-    ray.get([w.init_distributed.remote(addr, port) for w in workers])
-    return workers
+def reduce_rank_metrics(results: list[dict]) -> dict:
+    """Ranks return their shares of global means: sum them; grad norms are global already."""
+    return {k: (results[0][k] if k == "grad_norm" else sum(r[k] for r in results))
+            for k in results[0]}
 
 
 class Controller:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.workers: list = []
+        self.placement_group = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -91,13 +74,14 @@ class Controller:
         self.prompts = PromptSet(resolve_rows(cfg.data, cfg.run.seed), self.tokenizer, cfg.data,
                                  cfg.run.seed)
         start_ray(cfg)
-        self.workers = start_workers(cfg)
+        self.workers, self.placement_group = start_workers(cfg)
         if cfg.warmup.sft_steps > 0:
             model_path = run_warmup(self.workers, model_path, self.prompts, self.tokenizer, cfg)
         self.model_path = model_path
         self.grad_accum = grad_accum_steps(cfg)
         ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
-                                       self.grad_accum, cfg.rollout.temperature)
+                                       self.grad_accum, cfg.rollout.temperature,
+                                       float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
                  for w in self.workers])
         ray.get([w.init_rollout.remote(model_path, cfg.rollout, cfg.run.seed)
                  for w in self.workers])
@@ -107,11 +91,12 @@ class Controller:
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps)
 
     # ------------------------------------------------------------------ one step
-    def generate(self, rows: list[int], step: int) -> list[Sample]:
+    def generate(self, rows: list[int], step: int, round_index: int = 0) -> list[Sample]:
+        """n samples per prompt row, spread over the workers' engines, gathered in order."""
         import ray
 
         n = self.cfg.rollout.n
-        base = (self.cfg.run.seed * 1_000_003 + step) * 100_000
+        base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
         parts = chunk(list(enumerate(rows)), len(self.workers))
         futures = [w.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
                                      [base + g * n for g, _ in part])
@@ -125,32 +110,74 @@ class Controller:
         return samples
 
     def score(self, samples: list[Sample]) -> dict:
+        """Reward each sample; score = reward + overlong shaping (what advantages use)."""
+        algo, max_len = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
         rewards, metrics = self.scorer.score(
             [self.prompts.rows[s.row] for s in samples], [s.text for s in samples])
         for s, r in zip(samples, rewards):
             s.reward = r
+            s.score = r + overlong_penalty(len(s.response_ids), max_len, algo.overlong_buffer,
+                                           algo.overlong_penalty)
         return metrics
 
-    def advantages(self, samples: list[Sample]) -> None:
-        n = self.cfg.rollout.n
-        rewards = torch.tensor([s.reward for s in samples]).view(-1, n)  # [P, G]
-        adv = compute_advantages(rewards, self.cfg.algorithm).view(-1)
-        for s, a in zip(samples, adv.tolist()):
-            s.advantage = a
-
-    def update(self, samples: list[Sample], step: int) -> dict:
+    def prepare(self, samples: list[Sample]) -> dict:
+        """Old/reference logprobs and values from the trainers, once per batch; mismatch and KL
+        metrics; the KL reward penalty when the KL is not a loss term."""
         import ray
 
-        plan = plan_update(samples, len(self.workers), self.cfg.algorithm.num_mini_batches,
-                           self.grad_accum, self.tokenizer.pad_token_id, self.cfg.run.seed + step)
+        parts = split_ranks(samples, len(self.workers), self.grad_accum)
+        pad = self.tokenizer.pad_token_id
+        results = ray.get([w.prepare.remote([collate(m, pad) for m in micros])
+                           for w, micros in zip(self.workers, parts)])
+        for micros, outs in zip(parts, results):
+            for micro, out in zip(micros, outs):
+                for i, s in enumerate(micro):
+                    for name, tensor in out.items():
+                        setattr(s, name, response_slice(s, tensor[i]))
+        mask = response_mask(samples)
+        old, rollout = padded(samples, "old_logprobs"), padded(samples, "rollout_logprobs")
+        n = mask.sum()
+        metrics = {"mismatch/max_abs_diff": float(((old - rollout).abs() * mask).max()),
+                   "mismatch/kl": float((kl_estimate(rollout, old, "k3") * mask).sum() / n)}
+        loss_cfg = self.cfg.algorithm.loss
+        self.token_rewards = None
+        if samples[0].ref_logprobs:
+            kl_tok = kl_estimate(old, padded(samples, "ref_logprobs"), loss_cfg.kl_estimator) * mask
+            metrics["kl/mean"] = float(kl_tok.sum() / n)
+            if not loss_cfg.use_kl_loss:
+                self.token_rewards = -loss_cfg.kl_coef * kl_tok
+        return metrics
+
+    def advantages(self, samples: list[Sample]) -> dict:
+        mask = response_mask(samples)
+        inputs = AdvantageInputs(
+            scores=torch.tensor([s.score for s in samples]), response_mask=mask,
+            group_size=self.cfg.rollout.n, token_rewards=self.token_rewards,
+            values=padded(samples, "values") if samples[0].values else None)
+        adv, returns = compute_advantages(inputs, self.cfg.algorithm)
+        for i, s in enumerate(samples):
+            r = len(s.response_ids)
+            s.advantages, s.returns = adv[i, :r].tolist(), returns[i, :r].tolist()
+        n = mask.sum()
+        return {"advantages/mean": float((adv * mask).sum() / n),
+                "advantages/abs_mean": float((adv.abs() * mask).sum() / n)}
+
+    def update(self, samples: list[Sample], step: int) -> dict:
+        """ppo_epochs passes, each num_mini_batches optimizer steps (policy, and critic)."""
+        import ray
+
+        algo = self.cfg.algorithm
         totals: dict[str, float] = {}
-        for ranks, tokens, seqs in zip(plan.mini_batches, plan.num_tokens, plan.num_seqs):
-            results = ray.get([w.train.remote(mb, tokens, seqs)
-                               for w, mb in zip(self.workers, ranks)])
-            for key in results[0]:
-                # every rank returns its share of a global mean; grad_norm is global already
-                value = results[0][key] if key == "grad_norm" else sum(r[key] for r in results)
-                totals[key] = totals.get(key, 0.0) + value / len(plan.mini_batches)
+        num_steps = algo.ppo_epochs * algo.num_mini_batches
+        for epoch in range(algo.ppo_epochs):
+            plan = plan_update(samples, len(self.workers), algo.num_mini_batches,
+                               self.grad_accum, self.tokenizer.pad_token_id,
+                               (self.cfg.run.seed + step) * 1000 + epoch)
+            for ranks, counts in zip(plan.mini_batches, plan.counts):
+                merged = reduce_rank_metrics(ray.get([w.train.remote(mb, counts)
+                                                      for w, mb in zip(self.workers, ranks)]))
+                for k, v in merged.items():
+                    totals[k] = totals.get(k, 0.0) + v / num_steps
         totals["grad/norm"] = totals.pop("grad_norm")
         return totals
 
@@ -160,42 +187,42 @@ class Controller:
         bucket = int(self.cfg.sync.bucket_mb * 2**20)
         results = ray.get([w.sync_weights.remote(bucket, self.probe, self.cfg.sync.tolerance)
                            for w in self.workers])
-        out = {k: max(r[k] for r in results) for k in results[0]}
-        return out
+        return {k: max(r[k] for r in results) for k in results[0]}
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
-        rows = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
-        samples = self.generate(rows, step)
+        batch = collect(self, step)
+        samples, metrics = batch.samples, dict(batch.metrics)
         t1 = time.perf_counter()
-        metrics = self.score(samples)
-        t2 = time.perf_counter()
-        self.advantages(samples)
+        metrics.update(self.prepare(samples))
+        metrics.update(self.advantages(samples))
         metrics.update(self.update(samples, step))
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
         metrics.update(self.sync())
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         metrics.update(self.sample_metrics(samples))
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        metrics.update({"step": step, "time/rollout": t1 - t0, "time/reward": t2 - t1,
-                        "time/update": t3 - t2, "time/sync": t4 - t3, "time/step": t4 - t0,
-                        "throughput/tokens_per_s": tokens / (t4 - t0),
-                        "rollout/tokens_per_s": sum(len(s.response_ids) for s in samples)
-                        / (t1 - t0)})
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.all_samples)
+        metrics.update({
+            "step": step, "time/rollout": batch.seconds_generate,
+            "time/reward": batch.seconds_reward, "time/update": t2 - t1, "time/sync": t3 - t2,
+            "time/step": t3 - t0, "throughput/tokens_per_s": tokens / (t3 - t0),
+            "rollout/tokens_per_s": sum(len(s.response_ids) for s in batch.all_samples)
+            / batch.seconds_generate})
         self.log.log_step(metrics)
         self.log.log_rollouts(step, self.rollout_records(samples))
         return metrics
 
     def sample_metrics(self, samples: list[Sample]) -> dict:
-        lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
-        return {"response/length_mean": float(lengths.mean()),
+        lengths = [len(s.response_ids) for s in samples]
+        return {"response/length_mean": sum(lengths) / len(lengths),
                 "response/clip_ratio": sum(s.finish_reason == "length" for s in samples)
                 / len(samples)}
 
     def rollout_records(self, samples: list[Sample]) -> list[dict]:
         keep = samples if self.cfg.run.log_samples < 0 else samples[:self.cfg.run.log_samples]
         return [{"prompt": self.prompts.texts[s.row], "completion": s.text, "reward": s.reward,
-                 "advantage": s.advantage, "finish_reason": s.finish_reason} for s in keep]
+                 "advantage": s.advantages[0] if s.advantages else 0.0,
+                 "finish_reason": s.finish_reason} for s in keep]
 
     # ------------------------------------------------------------------ outputs
     def checkpoint(self, step: int) -> None:
@@ -216,11 +243,8 @@ class Controller:
         return final
 
     def shutdown(self) -> None:
-        import ray
-
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
+        stop_workers(self.workers, self.placement_group)
+        self.workers, self.placement_group = [], None
 
     def run(self) -> Path:
         """Set up, train cfg.trainer.total_steps steps, save; returns the run directory."""

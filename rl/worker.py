@@ -30,13 +30,17 @@ class ColocatedWorker:
             # vLLM makes torch.set_num_threads a no-op once it binds threads: set them first.
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(rank, world_size, num_cpus)
+            cores = cpu_binding(rank, world_size, num_cpus)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+            # Pin now, not only once vLLM binds its threads: unpinned ranks that spin in
+            # DeepSpeed's shared-memory collectives made warm-up steps up to 4x slower.
+            first, last = map(int, cores.split("-"))
+            os.sched_setaffinity(0, range(first, last + 1))
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         from update.trainer import device_name
 
         self.device = device_name()
-        self.trainer = None
-        self.engine = None
+        self.trainer = self.critic = self.engine = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP, a free port): rank 0's answer is the process group's address."""
@@ -56,11 +60,18 @@ class ColocatedWorker:
 
     # ------------------------------------------------------------------ set-up
     def init_trainer(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
-                     grad_accum: int, temperature: float) -> None:
+                     grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
+                     critic: bool = False) -> None:
+        """The policy trainer (and the critic's, for PPO); replaces any earlier ones."""
         from update.trainer import PolicyTrainer
 
-        self.trainer = None  # release the previous engine first (warm-up -> RL)
-        self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature)
+        self.trainer = self.critic = None  # release the previous engines first (warm-up -> RL)
+        self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature,
+                                     norm_length)
+        if critic:
+            from update.critic import ValueTrainer
+
+            self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
 
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int) -> None:
         from rollout.vllm_engine import VLLMEngine
@@ -72,8 +83,19 @@ class ColocatedWorker:
         out = self.engine.generate(prompts, seeds=seeds)
         return [[asdict(c) for c in group] for group in out]
 
-    def train(self, micro_batches: list[dict], num_tokens: float, num_seqs: float) -> dict:
-        return self.trainer.train_step(micro_batches, num_tokens, num_seqs)
+    def prepare(self, micro_batches: list[dict]) -> list[dict]:
+        """Old (and reference) logprobs, and critic values, of each micro-batch."""
+        out = self.trainer.prepare(micro_batches)
+        if self.critic is not None:
+            for item, values in zip(out, self.critic.prepare(micro_batches)):
+                item.update(values)
+        return out
+
+    def train(self, micro_batches: list[dict], counts) -> dict:
+        metrics = self.trainer.train_step(micro_batches, counts)
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(micro_batches, counts))
+        return metrics
 
     def sft(self, micro_batches: list[dict], num_tokens: float) -> dict:
         return self.trainer.sft_step(micro_batches, num_tokens)

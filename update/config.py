@@ -1,4 +1,4 @@
-"""Typed configuration of the update side (DeepSpeed trainer and its loss)."""
+"""Typed configuration of the update side (DeepSpeed trainers and their losses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,10 +8,14 @@ from dataclasses import dataclass
 class TrainerConfig:
     zero_stage: int = 3
     "DeepSpeed ZeRO stage (1, 2 or 3)."
+    zero3_persistence_threshold: int = 0
+    "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     dtype: str = "float32"
     "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
     lr: float = 1e-5
-    "AdamW learning rate."
+    "AdamW learning rate of the policy."
+    critic_lr: float = 1e-4
+    "AdamW learning rate of the critic (PPO's value model)."
     weight_decay: float = 0.0
     "AdamW weight decay."
     beta1: float = 0.9
@@ -20,8 +24,6 @@ class TrainerConfig:
     "AdamW beta2."
     grad_clip: float = 1.0
     "Global gradient-norm clip; 0 turns it off."
-    zero3_persistence_threshold: int = 0
-    "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     micro_batch_size: int = 8
     "Samples per forward/backward on one rank; gradient accumulation covers the rest."
     gradient_checkpointing: bool = False
@@ -35,14 +37,24 @@ class TrainerConfig:
 @dataclass
 class LossConfig:
     policy_loss: str = "ppo_clip"
-    "Policy loss registered in update.losses.POLICY_LOSSES."
+    "Policy loss registered in update.losses.POLICY_LOSSES (ppo_clip, gspo, pg)."
     clip_low: float = 0.2
     "Lower clip range of the importance ratio (1 - clip_low)."
     clip_high: float = 0.2
-    "Upper clip range of the importance ratio (1 + clip_high); DAPO's clip-higher raises it."
+    "Upper clip range (1 + clip_high); DAPO's clip-higher raises it to 0.28."
+    clip_ratio_c: float = 0.0
+    "Dual-clip bound for negative advantages (Ye et al. 2020; 3.0 is usual); 0 turns it off."
     loss_agg: str = "token_mean"
-    "How per-token losses become one number, registered in update.losses.LOSS_AGGREGATIONS."
+    "Aggregation registered in update.losses.LOSS_AGGREGATIONS."
     kl_coef: float = 0.0
-    "Weight of the KL-to-reference loss term; 0 skips the reference model entirely."
+    "Weight of KL(policy || reference); 0 skips the reference model entirely."
     kl_estimator: str = "k3"
     "KL estimator registered in update.losses.KL_ESTIMATORS (k1, k2, k3)."
+    use_kl_loss: bool = True
+    "True: KL is a loss term (GRPO); False: a per-token reward penalty (PPO, REINFORCE++)."
+    entropy_coef: float = 0.0
+    "Weight of the entropy bonus (subtracted from the loss)."
+    tis_cap: float = 2.0
+    "Truncated importance sampling: weight tokens by min(pi_trainer / pi_rollout, cap); 0 = off."
+    value_clip: float = 0.2
+    "PPO critic: clip range of new values around the old ones."

@@ -1,8 +1,10 @@
-"""Policy losses, KL estimators and loss aggregation: pure functions on tensors.
+"""Policy losses, value loss, KL estimators and loss aggregation: pure functions on tensors.
 
-Glossary of shapes: B samples in a micro-batch, T response tokens (padded).
+Glossary of shapes: B samples in a micro-batch, T token positions (padded).
 Every function here is registered by the name a recipe uses; `lookup` turns an unknown name
-into an error that lists the known ones.
+into an error that lists the known ones. Per-token policy losses share one signature,
+`fn(inputs: LossInputs, cfg: LossConfig) -> (loss_tok [B, T], metrics)`; `policy_loss` adds the
+truncated-IS weights, aggregation, KL and entropy terms around them.
 """
 from __future__ import annotations
 
@@ -31,25 +33,44 @@ def register(registry: dict, name: str):
     return wrap
 
 
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
 # ---------------------------------------------------------------- aggregation
 LOSS_AGGREGATIONS: dict[str, Callable] = {}
+# Every aggregation takes (loss_tok [B, T], mask [B, T], counts) where counts describe the
+# *global* batch (all micro-batches and ranks), so summing the pieces' results gives the loss of
+# the whole batch: the update does not depend on how the batch was split.
+
+
+@dataclass
+class BatchCounts:
+    num_tokens: float  # response tokens in the global batch
+    num_seqs: float  # sequences in the global batch
+    norm_length: float = 1.0  # Dr.GRPO's constant per-sequence normalizer (max response length)
 
 
 @register(LOSS_AGGREGATIONS, "token_mean")
-def token_mean(loss_tok, response_mask, num_tokens: float, num_seqs: float):
-    """Sum of token losses / tokens in the whole batch (DAPO's token-level loss).
-
-    `num_tokens` counts the tokens of the global batch (all micro-batches and ranks), so the
-    result summed over micro-batches is independent of how the batch was split.
-    """
-    return (loss_tok * response_mask).sum() / max(num_tokens, 1.0)
+def token_mean(loss_tok, mask, counts: BatchCounts):
+    """Sum of token losses / tokens in the batch (DAPO's token-level loss)."""
+    return masked_sum(loss_tok, mask) / max(counts.num_tokens, 1.0)
 
 
 @register(LOSS_AGGREGATIONS, "seq_mean_token_mean")
-def seq_mean_token_mean(loss_tok, response_mask, num_tokens: float, num_seqs: float):
+def seq_mean_token_mean(loss_tok, mask, counts: BatchCounts):
     """Mean over sequences of each sequence's token mean (the original GRPO paper)."""
-    per_seq = (loss_tok * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1.0)
-    return per_seq.sum() / max(num_seqs, 1.0)
+    per_seq = (loss_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_seq.sum() / max(counts.num_seqs, 1.0)
+
+
+@register(LOSS_AGGREGATIONS, "seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(loss_tok, mask, counts: BatchCounts):
+    """Dr.GRPO (Liu et al. 2025): token sums / a constant length, averaged over sequences.
+
+    No per-sequence length division, so long wrong answers are not favoured.
+    """
+    return masked_sum(loss_tok, mask) / max(counts.norm_length, 1.0) / max(counts.num_seqs, 1.0)
 
 
 # ---------------------------------------------------------------- KL
@@ -75,56 +96,133 @@ def kl_k3(logprobs, ref_logprobs):
     return torch.exp(log_r) - log_r - 1.0
 
 
+def kl(logprobs, ref_logprobs, estimator: str):
+    return lookup(KL_ESTIMATORS, estimator, "KL estimator")(logprobs, ref_logprobs)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical over the last dim: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 # ---------------------------------------------------------------- policy losses
 @dataclass
 class LossInputs:
     logprobs: torch.Tensor  # [B, T] current policy, with grad
-    old_logprobs: torch.Tensor  # [B, T] policy that generated / was current at rollout
-    advantages: torch.Tensor  # [B, T] (a sequence advantage repeated over its tokens)
-    response_mask: torch.Tensor  # [B, T] 1.0 on response tokens, 0.0 on padding
-    num_tokens: float  # response tokens in the global batch
-    num_seqs: float  # sequences in the global batch
-    ref_logprobs: torch.Tensor | None = None  # [B, T] frozen reference, when kl_coef > 0
+    old_logprobs: torch.Tensor  # [B, T] trainer logprobs before this update (no grad)
+    advantages: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, T] 1.0 on response tokens, 0.0 elsewhere
+    counts: BatchCounts
+    ref_logprobs: torch.Tensor | None = None  # [B, T] frozen reference, for the KL loss
+    rollout_logprobs: torch.Tensor | None = None  # [B, T] from the rollout engine, for TIS
+    entropy: torch.Tensor | None = None  # [B, T] policy entropy, for the bonus
 
 
 POLICY_LOSSES: dict[str, Callable] = {}
 
 
-@register(POLICY_LOSSES, "ppo_clip")
-def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig):
-    """PPO clipped surrogate with separate low/high clip (GRPO; DAPO when clip_high > clip_low).
+def _clipped_surrogate(ratio, advantages, cfg: LossConfig):
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
-    loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)), r_t = pi / pi_old,
-    plus kl_coef * KL(pi || pi_ref) per token when a reference is given (GRPO's KL loss).
-    Returns (loss, metrics) where loss is already aggregated with cfg.loss_agg.
+
+@register(POLICY_LOSSES, "ppo_clip")
+def ppo_clip(inputs: LossInputs, cfg: LossConfig):
+    """PPO clipped surrogate with separate low/high clip (GRPO; DAPO's clip-higher).
+
+    loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)), r_t = pi / pi_old.
+    With clip_ratio_c > 0, dual-clip (Ye et al. 2020): for A_t < 0 the loss is capped at
+    -A_t * clip_ratio_c, so a huge ratio on a bad token cannot blow up the update.
+    """
+    ratio = torch.exp((inputs.logprobs - inputs.old_logprobs).clamp(-20.0, 20.0))
+    loss, clipped = _clipped_surrogate(ratio, inputs.advantages, cfg)
+    if cfg.clip_ratio_c > 0:
+        capped = torch.minimum(loss, -inputs.advantages * cfg.clip_ratio_c)
+        dual = (inputs.advantages < 0) & (capped < loss)
+        loss = torch.where(inputs.advantages < 0, capped, loss)
+        clipped = torch.maximum(clipped, dual.float())
+    return loss, {"ratio": ratio.detach(), "clipped": clipped}
+
+
+@register(POLICY_LOSSES, "gspo")
+def gspo(inputs: LossInputs, cfg: LossConfig):
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, clipped at sequence level.
+
+    s_i = exp(mean_t(log pi - log pi_old)) over the response; the token form
+    s_i,t = sg(s_i) * pi(y_t) / sg(pi(y_t)) has the same value and the paper's gradient.
+    Use with small clip ranges (the paper: 3e-4 / 4e-4) and seq_mean_token_mean.
     """
     mask = inputs.response_mask
-    log_ratio = (inputs.logprobs - inputs.old_logprobs).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -inputs.advantages * ratio
-    clipped = -inputs.advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    loss_tok = torch.maximum(unclipped, clipped)
-    agg = lookup(LOSS_AGGREGATIONS, cfg.loss_agg, "loss aggregation")
-    policy_loss = agg(loss_tok, mask, inputs.num_tokens, inputs.num_seqs)
-    n = max(inputs.num_tokens, 1.0)
-    metrics = {
-        "loss/policy": policy_loss.detach(),
-        "loss/clip_frac": ((clipped > unclipped).float() * mask).sum() / n,
-        "loss/ratio_mean": (ratio.detach() * mask).sum() / n,
-    }
-    loss = policy_loss
-    if inputs.ref_logprobs is not None and cfg.kl_coef > 0:
-        kl_tok = lookup(KL_ESTIMATORS, cfg.kl_estimator, "KL estimator")(
-            inputs.logprobs, inputs.ref_logprobs)
-        kl = agg(kl_tok, mask, inputs.num_tokens, inputs.num_seqs)
-        loss = loss + cfg.kl_coef * kl
-        metrics["kl/mean"] = kl.detach()
-    return loss, metrics
+    log_ratio = (inputs.logprobs - inputs.old_logprobs) * mask
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    token_log_ratio = seq_log_ratio.detach() + inputs.logprobs - inputs.logprobs.detach()
+    ratio = torch.exp(token_log_ratio.clamp(-20.0, 20.0))
+    loss, clipped = _clipped_surrogate(ratio, inputs.advantages, cfg)
+    return loss, {"ratio": ratio.detach(), "clipped": clipped}
+
+
+@register(POLICY_LOSSES, "pg")
+def vanilla_pg(inputs: LossInputs, cfg: LossConfig):
+    """Plain policy gradient (REINFORCE): loss_t = -A_t log pi(y_t); no ratio, no clip."""
+    ratio = torch.exp((inputs.logprobs - inputs.old_logprobs).detach())
+    return -inputs.advantages * inputs.logprobs, {"ratio": ratio,
+                                                  "clipped": torch.zeros_like(ratio)}
+
+
+def tis_weights(old_logprobs, rollout_logprobs, cap: float):
+    """Truncated IS (Yao et al. 2025): min(pi_trainer / pi_rollout, cap), no gradient.
+
+    Corrects the mismatch between the rollout engine's and the trainer's token probabilities.
+    """
+    return torch.exp((old_logprobs - rollout_logprobs).clamp(max=20.0)).clamp(max=cap).detach()
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig):
-    """Dispatch to the policy loss named by cfg.policy_loss."""
-    return lookup(POLICY_LOSSES, cfg.policy_loss, "policy loss")(inputs, cfg)
+    """The full actor loss: policy term (x TIS weights), + KL loss, - entropy bonus.
+
+    Returns (loss, metrics); metrics are this piece's share of global means, so summing them
+    over micro-batches and ranks gives the batch value.
+    """
+    mask, counts = inputs.response_mask, inputs.counts
+    agg = lookup(LOSS_AGGREGATIONS, cfg.loss_agg, "loss aggregation")
+    loss_tok, parts = lookup(POLICY_LOSSES, cfg.policy_loss, "policy loss")(inputs, cfg)
+    n = max(counts.num_tokens, 1.0)
+    metrics = {"loss/clip_frac": masked_sum(parts["clipped"], mask) / n,
+               "loss/ratio_mean": masked_sum(parts["ratio"], mask) / n}
+    if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None:
+        weights = tis_weights(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
+        loss_tok = loss_tok * weights
+        metrics["mismatch/tis_weight_mean"] = masked_sum(weights, mask) / n
+    loss = agg(loss_tok, mask, counts)
+    metrics["loss/policy"] = loss.detach()
+    if inputs.ref_logprobs is not None and cfg.kl_coef > 0 and cfg.use_kl_loss:
+        kl_value = agg(kl(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator), mask, counts)
+        loss = loss + cfg.kl_coef * kl_value
+        metrics["loss/kl"] = kl_value.detach()
+    if inputs.entropy is not None:
+        entropy = agg(inputs.entropy, mask, counts)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * entropy
+        metrics["entropy/mean"] = entropy.detach()
+    return loss, metrics
+
+
+def value_loss(values, old_values, returns, mask, clip: float, counts: BatchCounts):
+    """PPO clipped value loss: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2).
+
+    Token mean over the global batch. Returns (loss, metrics).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    loss_tok = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+    n = max(counts.num_tokens, 1.0)
+    loss = masked_sum(loss_tok, mask) / n
+    return loss, {"loss/value": loss.detach(),
+                  "values/mean": masked_sum(values.detach(), mask) / n,
+                  "values/clip_frac": masked_sum(
+                      ((values - returns).square() < (clipped - returns).square()).float(),
+                      mask) / n}
 
 
 def nll_loss(logprobs, response_mask, num_tokens: float):

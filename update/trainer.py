@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from update.config import LossConfig, TrainerConfig
-from update.losses import LossInputs, nll_loss, policy_loss
+from update.losses import BatchCounts, LossInputs, nll_loss, policy_loss
 
-# MicroBatch keys: input_ids [B, L] long, attention_mask [B, L] long,
-# response_mask [B, L-1] float (1 on response tokens, aligned with the logprob of token t+1),
-# advantages [B, L-1] float; optional old_logprobs [B, L-1].
+# MicroBatch keys: input_ids [B, L] long, attention_mask [B, L] long; token-level [B, L-1]
+# float tensors aligned with the logprob of token t+1: response_mask (1 on response tokens),
+# advantages, old_logprobs, rollout_logprobs, and when used ref_logprobs, values, returns.
 
 
 def device_name() -> str:
@@ -60,16 +60,21 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
     return config
 
 
+def _to(mb: dict, key: str, dev):
+    return mb[key].to(dev) if mb.get(key) is not None else None
+
+
 class PolicyTrainer:
     """The policy on a DeepSpeed engine, plus a frozen reference engine when KL is used."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
-                 grad_accum: int, temperature: float = 1.0):
+                 grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
+        self.norm_length = norm_length
         self.world_size = dist.get_world_size()
         self.grad_accum = grad_accum
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -92,35 +97,55 @@ class PolicyTrainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _logprobs(self, engine, mb: dict) -> torch.Tensor:
+    def _forward(self, engine, mb: dict, entropy: bool = False):
+        """(token logprobs [B, L-1], entropy [B, L-1] or None) under `engine`."""
+        from update.losses import entropy_from_logits
+
         dev = engine.device
-        out = engine(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                     use_cache=False)
-        return token_logprobs(out.logits, mb["input_ids"].to(dev), self.temperature)
+        ids = mb["input_ids"].to(dev)
+        out = engine(input_ids=ids, attention_mask=mb["attention_mask"].to(dev), use_cache=False)
+        logprobs = token_logprobs(out.logits, ids, self.temperature)
+        ent = entropy_from_logits(out.logits[:, :-1] / self.temperature) if entropy else None
+        return logprobs, ent
 
     def _check_accum(self, micro_batches: list[dict]) -> None:
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"got {len(micro_batches)} micro-batches, the engine was built for "
                              f"{self.grad_accum} per optimizer step; split batches the same way")
 
-    def train_step(self, micro_batches: list[dict], num_tokens: float, num_seqs: float) -> dict:
+    @torch.no_grad()
+    def prepare(self, micro_batches: list[dict]) -> list[dict]:
+        """Before the update: old logprobs of the policy (and the reference's), per micro-batch.
+
+        Computed once per rollout batch, so every epoch and mini-batch uses the same old policy.
+        """
+        self.engine.eval()
+        out = []
+        for mb in micro_batches:
+            item = {"old_logprobs": self._forward(self.engine, mb)[0].cpu()}
+            if self.ref is not None:
+                item["ref_logprobs"] = self._forward(self.ref, mb)[0].cpu()
+            out.append(item)
+        return out
+
+    def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
         """One optimizer step of the policy loss; metrics are this rank's share of global means."""
         self._check_accum(micro_batches)
         self.engine.train()
+        counts = BatchCounts(counts.num_tokens, counts.num_seqs, self.norm_length)
         sums: dict[str, float] = {}
         for mb in micro_batches:
             dev = self.engine.device
-            logprobs = self._logprobs(self.engine, mb)
-            ref_logprobs = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logprobs = self._logprobs(self.ref, mb)
-            old = mb.get("old_logprobs")
+            grad_entropy = self.loss_cfg.entropy_coef > 0
+            with torch.set_grad_enabled(True):
+                logprobs, ent = self._forward(self.engine, mb, entropy=grad_entropy)
+            if not grad_entropy:  # the metric only: no graph through the entropy
+                ent = None
             inputs = LossInputs(
-                logprobs=logprobs,
-                old_logprobs=logprobs.detach() if old is None else old.to(dev),
+                logprobs=logprobs, old_logprobs=mb["old_logprobs"].to(dev),
                 advantages=mb["advantages"].to(dev), response_mask=mb["response_mask"].to(dev),
-                num_tokens=num_tokens, num_seqs=num_seqs, ref_logprobs=ref_logprobs)
+                counts=counts, ref_logprobs=_to(mb, "ref_logprobs", dev),
+                rollout_logprobs=_to(mb, "rollout_logprobs", dev), entropy=ent)
             loss, metrics = policy_loss(inputs, self.loss_cfg)
             self.engine.backward(loss * self.world_size * self.grad_accum)
             self.engine.step()
@@ -135,7 +160,7 @@ class PolicyTrainer:
         self.engine.train()
         total = 0.0
         for mb in micro_batches:
-            logprobs = self._logprobs(self.engine, mb)
+            logprobs, _ = self._forward(self.engine, mb)
             loss = nll_loss(logprobs, mb["response_mask"].to(logprobs.device), num_tokens)
             self.engine.backward(loss * self.world_size * self.grad_accum)
             self.engine.step()
@@ -147,7 +172,7 @@ class PolicyTrainer:
         """Logprob of each token after the first (a collective under ZeRO-3: every rank calls)."""
         self.engine.eval()
         ids = torch.tensor([token_ids])
-        lp = self._logprobs(self.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        lp, _ = self._forward(self.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         return lp[0].tolist()
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
@@ -156,11 +181,7 @@ class PolicyTrainer:
 
     def full_state_dict(self) -> dict | None:
         """Unsharded weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
-        import torch.distributed as dist
-
-        if self.cfg.zero_stage == 3:
-            return self.engine._zero3_consolidated_16bit_state_dict()
-        return self.module.state_dict() if dist.get_rank() == 0 else None
+        return full_state_dict(self.engine, self.cfg)
 
     def save_hf(self, directory: str) -> None:
         """An HF model directory loadable by from_pretrained (weights only; rank 0 writes)."""
@@ -168,3 +189,12 @@ class PolicyTrainer:
         if state is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self.module.save_pretrained(directory, state_dict=state)
+
+
+def full_state_dict(engine, cfg: TrainerConfig) -> dict | None:
+    """Unsharded weights of a DeepSpeed engine on rank 0 (None elsewhere); a collective."""
+    import torch.distributed as dist
+
+    if cfg.zero_stage == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict() if dist.get_rank() == 0 else None

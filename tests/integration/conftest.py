@@ -18,7 +18,7 @@ def ray_session():
     import ray
 
     from rl.config import load_config
-    from rl.controller import start_ray
+    from rl.placement import start_ray
 
     start_ray(load_config(None))
     yield ray

@@ -5,8 +5,9 @@ import torch
 
 from rl.batch import Sample, collate
 from rl.config import load_config
-from rl.controller import start_workers
+from rl.placement import start_workers, stop_workers
 from rl.models import build_tiny_model
+from update.losses import BatchCounts
 
 
 @pytest.fixture(scope="module")
@@ -15,14 +16,13 @@ def tied_workers(ray_session, tmp_path_factory):
                              "sync.bucket_mb=0.05"])
     path = str(build_tiny_model("tiny-llama-tied", seed=1,
                                 out_dir=tmp_path_factory.mktemp("m") / "tied"))
-    workers = start_workers(cfg)
+    workers, pg = start_workers(cfg)
     ray = ray_session
     ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
              for w in workers])
     ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
     yield ray, workers, cfg
-    for w in workers:
-        ray.kill(w)
+    stop_workers(workers, pg)
 
 
 def max_diffs(ray, workers, probe):
@@ -40,9 +40,13 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
     for rank in range(2):
         samples = [Sample(0, 0, torch.randint(3, 200, (6,), generator=gen).tolist(),
                           torch.randint(3, 200, (5,), generator=gen).tolist(), [], "stop", "",
-                          advantage=float(torch.randn(1, generator=gen))) for _ in range(4)]
+                          advantages=[float(torch.randn(1, generator=gen))] * 5)
+                   for _ in range(4)]
         batches.append([collate(samples, pad_id=0)])
-    ray.get([w.train.remote(b, 40.0, 8.0) for w, b in zip(workers, batches)])
+    old = ray.get([w.prepare.remote(b) for w, b in zip(workers, batches)])
+    for b, o in zip(batches, old):
+        b[0]["old_logprobs"] = o[0]["old_logprobs"]
+    ray.get([w.train.remote(b, BatchCounts(40.0, 8.0)) for w, b in zip(workers, batches)])
     assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update changed the policy
 
     stats = ray.get([w.sync_weights.remote(int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)

@@ -2,17 +2,19 @@
 import pytest
 import torch
 
-from rl.batch import Sample, chunk, collate, plan_update
+from rl.batch import Sample, chunk, collate, plan_update, response_slice
 
 
 def sample(prompt, response, adv=0.0, lps=None):
-    return Sample(0, 0, prompt, response, lps or [], "stop", "", advantage=adv)
+    return Sample(0, 0, prompt, response, lps or [0.0] * len(response), "stop", "",
+                  advantages=[adv] * len(response))
 
 
 def test_collate_aligns_response_mask_with_next_token_logprobs():
     # prompt [5, 6, 7], response [8, 9]: logprob index t scores token t+1, so the response
     # tokens (positions 3, 4) are scored at indices 2 and 3
     b = collate([sample([5, 6, 7], [8, 9], adv=0.5, lps=[-1.0, -2.0]), sample([5], [4])], pad_id=0)
+    assert "old_logprobs" not in b  # token fields appear only when every sample has them
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert b["response_mask"].tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
@@ -30,14 +32,20 @@ def test_plan_update_counts_global_tokens_and_fills_every_micro_batch():
     plan = plan_update(samples, world_size=2, num_mini_batches=2, grad_accum=2, pad_id=0, seed=0)
     assert len(plan.mini_batches) == 2
     assert all(len(ranks) == 2 and all(len(m) == 2 for m in ranks) for ranks in plan.mini_batches)
-    assert plan.num_seqs == [8.0, 8.0]
+    assert [c.num_seqs for c in plan.counts] == [8.0, 8.0]
     # the planned token counts equal the response tokens that land in the micro-batches
-    for ranks, tokens in zip(plan.mini_batches, plan.num_tokens):
-        assert sum(float(mb["response_mask"].sum()) for r in ranks for mb in r) == tokens
-    assert sum(plan.num_tokens) == sum(len(s.response_ids) for s in samples)
+    for ranks, counts in zip(plan.mini_batches, plan.counts):
+        assert sum(float(mb["response_mask"].sum()) for r in ranks for mb in r) == counts.num_tokens
+    assert sum(c.num_tokens for c in plan.counts) == sum(len(s.response_ids) for s in samples)
 
 
 def test_plan_update_refuses_a_split_that_leaves_a_micro_batch_empty():
     with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
         plan_update([sample([1], [2])] * 4, world_size=2, num_mini_batches=1, grad_accum=4,
                     pad_id=0, seed=0)
+
+
+def test_response_slice_inverts_collate():
+    s = sample([5, 6, 7], [8, 9], adv=0.25)
+    b = collate([s, sample([1], [2, 3, 4])], pad_id=0)
+    assert response_slice(s, b["advantages"][0]) == [0.25, 0.25]

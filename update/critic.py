@@ -1,0 +1,71 @@
+"""PPO's critic: a value head on the policy's architecture, trained on its own DeepSpeed engine.
+
+Its weights never go to the rollout engine.
+"""
+from __future__ import annotations
+
+import torch
+
+from update.config import LossConfig, TrainerConfig
+from update.losses import BatchCounts, value_loss
+from update.trainer import ds_config
+
+
+class ValueModel(torch.nn.Module):
+    """The transformer body of a causal LM + a linear head: hidden state -> scalar value."""
+
+    def __init__(self, model_path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        self.value_head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)  # start at V = 0 (as OpenRLHF's critic)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+
+
+class ValueTrainer:
+    def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig, grad_accum: int):
+        import deepspeed
+        import torch.distributed as dist
+
+        self.loss_cfg, self.grad_accum = loss_cfg, grad_accum
+        self.world_size = dist.get_world_size()
+        model = ValueModel(model_path)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.critic_lr,
+                                      betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
+
+    def _values(self, mb: dict) -> torch.Tensor:
+        """V at position t estimates the return of the tokens after t: [B, L-1], like logprobs."""
+        dev = self.engine.device
+        values = self.engine(mb["input_ids"].to(dev), mb["attention_mask"].to(dev))
+        return values[:, :-1]
+
+    @torch.no_grad()
+    def prepare(self, micro_batches: list[dict]) -> list[dict]:
+        self.engine.eval()
+        return [{"values": self._values(mb).cpu()} for mb in micro_batches]
+
+    def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"critic: got {len(micro_batches)} micro-batches for "
+                             f"{self.grad_accum} accumulation steps")
+        self.engine.train()
+        sums: dict[str, float] = {}
+        for mb in micro_batches:
+            dev = self.engine.device
+            loss, metrics = value_loss(self._values(mb), mb["values"].to(dev),
+                                       mb["returns"].to(dev), mb["response_mask"].to(dev),
+                                       self.loss_cfg.value_clip, counts)
+            self.engine.backward(loss * self.world_size * self.grad_accum)
+            self.engine.step()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return sums
