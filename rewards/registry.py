@@ -1,17 +1,26 @@
-"""Reward lookup: a registered name or `module:function`.
+"""Finding reward functions: a built-in name, an installed entry point, `module:function`, or
+`path/to/file.py:function`.
 
-A reward is a callable `fn(prompt: str, completion: str, **row) -> float`, where `row` holds the
-dataset row's other fields (e.g. `answer`). Built-ins register themselves with `@register`.
+A per-sample reward is `fn(prompt: str, completion: str, **row) -> float` where `row` holds the
+dataset row's other fields (e.g. `answer`) and the term's `args`. A batched reward, marked with
+`@batched`, is `fn(prompts: list[str], completions: list[str], **columns) -> list[float]` where
+each column is a list over the batch. Either may be `async def`.
+Installed packages register rewards under the entry-point group `rlstack.rewards`.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Callable
 
-REWARDS: dict[str, Callable[..., float]] = {}
+ENTRY_POINT_GROUP = "rlstack.rewards"
+REWARDS: dict[str, Callable] = {}
 
 
 def register(name: str):
+    """Register a built-in reward under `name`."""
     def wrap(fn):
         if name in REWARDS:
             raise ValueError(f"reward '{name}' is registered twice; pick another name")
@@ -20,22 +29,66 @@ def register(name: str):
     return wrap
 
 
-def resolve(name: str) -> Callable[..., float]:
-    """The reward function for a registered name or a `module:function` path."""
+def batched(fn):
+    """Mark a reward as batched: it takes lists and returns one float per sample."""
+    fn.__reward_batched__ = True
+    return fn
+
+
+def is_batched(fn) -> bool:
+    return bool(getattr(fn, "__reward_batched__", False))
+
+
+def _entry_point_names() -> dict:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_names() -> list[str]:
     import rewards.builtin  # noqa: F401  (registers the built-ins)
 
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"reward '{name}': cannot import module '{module_name}' ({e}); "
-                             f"is it installed or on PYTHONPATH?") from None
-        fn = getattr(module, attr, None)
+    return sorted(set(REWARDS) | set(_entry_point_names()))
+
+
+def _from_file(spec: str) -> Callable:
+    path, _, attr = spec.rpartition(":")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"reward '{spec}': file '{file}' does not exist")
+    module_spec = importlib.util.spec_from_file_location(f"_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward '{spec}': '{file}' has no function '{attr}'")
+    return fn
+
+
+def _from_module(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward '{spec}': cannot import module '{module_name}' ({e}); "
+                         f"is it installed or on PYTHONPATH?") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward '{spec}': module '{module_name}' has no function '{attr}'")
+    return fn
+
+
+def resolve(spec: str) -> Callable:
+    """The reward function that `spec` names (see the module docstring for the forms)."""
+    import rewards.builtin  # noqa: F401  (registers the built-ins)
+
+    if spec in REWARDS:
+        return REWARDS[spec]
+    eps = _entry_point_names()
+    if spec in eps:
+        fn = eps[spec].load()
         if not callable(fn):
-            raise ValueError(f"reward '{name}': module '{module_name}' has no function '{attr}'")
+            raise ValueError(f"reward '{spec}': entry point {eps[spec].value} is not callable")
         return fn
-    raise ValueError(f"reward '{name}' is not registered; known: {', '.join(sorted(REWARDS))} "
-                     f"(or give module:function)")
+    if ":" in spec:
+        return _from_file(spec) if spec.rpartition(":")[0].endswith(".py") else _from_module(spec)
+    raise ValueError(f"reward '{spec}' is not registered; known: {', '.join(known_names())} "
+                     f"(or give module:function or path/to/file.py:function)")

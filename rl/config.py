@@ -7,7 +7,7 @@ key and list what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 from rollout.config import RolloutConfig
 from update.config import LossConfig, TrainerConfig
@@ -34,7 +34,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = "builtin:arithmetic"
-    "A .jsonl/.json/.parquet file of rows, or builtin:arithmetic (generated locally)."
+    "A .jsonl/.json/.parquet file of rows, or builtin:arithmetic / builtin:fractions (generated)."
     prompt_key: str = "prompt"
     "Row field holding the prompt: a user message string or a list of chat messages."
     system_prompt: Optional[str] = None
@@ -55,6 +55,8 @@ class WarmupConfig:
     "Warm-up samples per optimizer step (all ranks together)."
     answer_noise: float = 0.0
     "Fraction of warm-up targets replaced by a near-miss number: a deliberately imperfect base."
+    target_template: str = "{answer}"
+    "The warm-up response, formatted with the row's fields ({answer} is the possibly noisy one)."
 
 
 @dataclass
@@ -92,11 +94,29 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardTerm:
     name: str = "exact_answer"
-    "A registered reward name or module:function."
+    "A built-in, an entry point (group rlstack.rewards), module:function or path/file.py:function."
+    weight: float = 1.0
+    "Weight of this term in the total reward."
+    alias: Optional[str] = None
+    "Metric name, reward/<alias>/mean (default: the function's name)."
+    args: Dict[str, Any] = field(default_factory=dict)
+    "Extra keyword arguments for the function (e.g. format's pattern, reward_model's path)."
+
+
+@dataclass
+class RewardConfig:
+    functions: List[RewardTerm] = field(default_factory=lambda: [RewardTerm()])
+    "The reward terms; the total reward is their weighted sum."
     fallback: float = 0.0
-    "Reward given to a sample whose reward function raised or returned a non-number/NaN."
+    "Value of a term whose call raised, timed out, or returned a non-number/NaN."
+    timeout_s: float = 10.0
+    "Wall-clock limit of one reward call (one sample, or one batch for batched rewards)."
+    num_workers: int = 2
+    "Processes that run reward calls in parallel."
+    batch_size: int = 64
+    "Samples per call of a batched reward."
 
 
 @dataclass

@@ -54,6 +54,7 @@ class Controller:
         self.cfg = cfg
         self.workers: list = []
         self.placement_group = None
+        self.scorer = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -65,15 +66,15 @@ class Controller:
         from rl.warmup import run_warmup
 
         cfg = self.cfg
-        self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)
         model_path = resolve_model_path(cfg.model.path, cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.prompts = PromptSet(resolve_rows(cfg.data, cfg.run.seed), self.tokenizer, cfg.data,
-                                 cfg.run.seed)
+                                 cfg.run.seed, cfg.rollout)
         start_ray(cfg)
+        self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.workers, self.placement_group = start_workers(cfg)
         if cfg.warmup.sft_steps > 0:
             model_path = run_warmup(self.workers, model_path, self.prompts, self.tokenizer, cfg)
@@ -99,11 +100,15 @@ class Controller:
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
         parts = chunk(list(enumerate(rows)), len(self.workers))
         futures = [w.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
-                                     [base + g * n for g, _ in part])
+                                     [base + g * n for g, _ in part],
+                                     [self.prompts.constraints[r] for _, r in part])
                    for w, part in zip(self.workers, parts)]
         samples = []
-        for part, groups in zip(parts, ray.get(futures)):
-            for (g, r), completions in zip(part, groups):
+        results = ray.get(futures)
+        self.rollout_stats = {k: sum(r["stats"][k] for r in results) / len(results)
+                              for k in results[0]["stats"]}
+        for part, result in zip(parts, results):
+            for (g, r), completions in zip(part, result["groups"]):
                 for c in completions:
                     samples.append(Sample(r, g, self.prompts.prompt_ids[r], c["token_ids"],
                                           c["logprobs"], c["finish_reason"], c["text"]))
@@ -201,6 +206,8 @@ class Controller:
         metrics.update(self.sync())
         t3 = time.perf_counter()
         metrics.update(self.sample_metrics(samples))
+        metrics.update(self.rollout_stats)
+        metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.all_samples)
         metrics.update({
             "step": step, "time/rollout": batch.seconds_generate,
@@ -243,6 +250,9 @@ class Controller:
         return final
 
     def shutdown(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
         stop_workers(self.workers, self.placement_group)
         self.workers, self.placement_group = [], None
 

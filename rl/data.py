@@ -8,24 +8,32 @@ from pathlib import Path
 
 from rl import tasks
 from rl.config import DataConfig
+from rollout.config import RolloutConfig
+
+
+BUILTIN_DATA = {"arithmetic": (tasks.arithmetic_rows, tasks.TEMPLATE),
+                "fractions": (tasks.fraction_rows, tasks.FRACTION_TEMPLATE)}
 
 
 def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
-    """Rows from data.train_path; builtin:arithmetic is generated and cached as jsonl first."""
-    if cfg.train_path == "builtin:arithmetic":
+    """Rows from data.train_path; a builtin: data set is generated and cached as jsonl first."""
+    if cfg.train_path.startswith("builtin:"):
         from rl.models import cache_root
 
-        key = hashlib.sha256(json.dumps([cfg.num_rows, cfg.max_operand, seed, tasks.TEMPLATE])
+        name = cfg.train_path.removeprefix("builtin:")
+        if name not in BUILTIN_DATA:
+            raise ValueError(f"data.train_path '{cfg.train_path}': built-in data sets are "
+                             + ", ".join(f"builtin:{n}" for n in BUILTIN_DATA)
+                             + "; otherwise give a .jsonl/.json/.parquet file")
+        make, template = BUILTIN_DATA[name]
+        key = hashlib.sha256(json.dumps([cfg.num_rows, cfg.max_operand, seed, template])
                              .encode()).hexdigest()[:12]
-        path = cache_root() / "data" / f"arithmetic-{key}.jsonl"
+        path = cache_root() / "data" / f"{name}-{key}.jsonl"
         if not path.exists():
-            tmp = tasks.write_rows(tasks.arithmetic_rows(cfg.num_rows, cfg.max_operand, seed),
+            tmp = tasks.write_rows(make(cfg.num_rows, cfg.max_operand, seed),
                                    path.with_suffix(".tmp.jsonl"))
             tmp.rename(path)
         return tasks.read_rows(path)
-    if cfg.train_path.startswith("builtin:"):
-        raise ValueError(f"data.train_path '{cfg.train_path}': the only built-in data set is "
-                         f"builtin:arithmetic; otherwise give a .jsonl/.json/.parquet file")
     return tasks.read_rows(Path(cfg.train_path))
 
 
@@ -48,14 +56,42 @@ def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int) -> list[int
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-class PromptSet:
-    """Rendered prompts, served in shuffled epochs of fixed-size batches."""
+def output_constraint(row: dict, cfg: RolloutConfig, index: int) -> dict | None:
+    """The row's structured-output constraint for vLLM, if it carries one."""
+    found = {}
+    if row.get(cfg.json_schema_key) is not None:
+        schema = row[cfg.json_schema_key]
+        found["json"] = json.loads(schema) if isinstance(schema, str) else schema
+    if row.get(cfg.regex_key) is not None:
+        found["regex"] = str(row[cfg.regex_key])
+    if row.get(cfg.choices_key) is not None:
+        found["choice"] = [str(c) for c in row[cfg.choices_key]]
+    if len(found) > 1:
+        raise ValueError(f"row {index} has {' and '.join(found)} constraints; give at most one")
+    return found or None
 
-    def __init__(self, rows: list[dict], tokenizer, cfg: DataConfig, seed: int):
+
+class PromptSet:
+    """Rendered prompts (those that fit the engine), served in shuffled epochs."""
+
+    def __init__(self, rows: list[dict], tokenizer, cfg: DataConfig, seed: int,
+                 rollout: RolloutConfig | None = None):
+        rollout = rollout or RolloutConfig()
         if not rows:
             raise ValueError(f"data.train_path '{cfg.train_path}' has no rows")
-        self.rows = rows
-        self.prompt_ids = [render_prompt(tokenizer, r, cfg, i) for i, r in enumerate(rows)]
+        limit = rollout.max_model_len - rollout.max_new_tokens
+        rendered = [(r, render_prompt(tokenizer, r, cfg, i)) for i, r in enumerate(rows)]
+        kept = [(r, p) for r, p in rendered if len(p) <= limit]
+        self.num_filtered = len(rendered) - len(kept)
+        if self.num_filtered:
+            print(f"data: skipped {self.num_filtered} of {len(rows)} prompts longer than "
+                  f"{limit} tokens (rollout.max_model_len - rollout.max_new_tokens)", flush=True)
+        if not kept:
+            raise ValueError(f"every prompt in '{cfg.train_path}' is longer than {limit} tokens; "
+                             f"raise rollout.max_model_len or lower rollout.max_new_tokens")
+        self.rows = [r for r, _ in kept]
+        self.prompt_ids = [p for _, p in kept]
+        self.constraints = [output_constraint(r, rollout, i) for i, r in enumerate(self.rows)]
         self.texts = [tokenizer.decode(p) for p in self.prompt_ids]
         self._rng = random.Random(seed)
         self._order: list[int] = []

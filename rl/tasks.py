@@ -23,6 +23,26 @@ def arithmetic_rows(num_rows: int, max_operand: int, seed: int, ops: str = "+-")
     return rows
 
 
+FRACTION_TEMPLATE = ("What is {a}/{b} {op} {c}/{d}? Think inside <think></think>, then give "
+                     "the answer as a fraction inside <answer></answer>.")
+
+
+def fraction_rows(num_rows: int, max_operand: int, seed: int) -> list[dict]:
+    """a/b +- c/d problems; the answer is the exact result as a reduced fraction string."""
+    from fractions import Fraction
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, c = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        b, d = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        op = rng.choice("+-")
+        value = Fraction(a, b) + Fraction(c, d) if op == "+" else Fraction(a, b) - Fraction(c, d)
+        rows.append({"prompt": FRACTION_TEMPLATE.format(a=a, b=b, c=c, d=d, op=op),
+                     "answer": str(value)})
+    return rows
+
+
 def corpus() -> list[str]:
     """Text that a tokenizer for this task must cover (the template and every number it uses)."""
     lines = [TEMPLATE.format(a=a, op=op, b=b) for a in range(0, 100, 7) for b in range(0, 100, 3)
@@ -30,6 +50,9 @@ def corpus() -> list[str]:
     lines += [str(n) for n in range(-200, 201)] * 3
     lines += ["The answer is 12.", "Sure! It is 7.", "I do not know."]
     lines += ["user\n", "assistant\n", "system\n"] * 50  # chat-template roles: one token each
+    lines += [FRACTION_TEMPLATE.format(a=a, b=b, c=3, d=4, op="+") for a in range(1, 10)
+              for b in range(1, 10)]
+    lines += ["<think>I add the fractions.</think> <answer>5/4</answer>"] * 20
     return lines
 
 

@@ -60,7 +60,11 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
         rows = prompts.next_batch(per_rank * world)
         samples = []
         for i in rows:
-            target = sft_target(str(prompts.rows[i]["answer"]), w.answer_noise, rng)
+            row = prompts.rows[i]
+            if "answer" not in row:
+                raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
+            answer = sft_target(str(row["answer"]), w.answer_noise, rng)
+            target = w.target_template.format(**{**row, "answer": answer})
             response = tokenizer.encode(target, add_special_tokens=False) + [eos]
             samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
         num_tokens = float(sum(len(s.response_ids) for s in samples))

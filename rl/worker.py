@@ -79,9 +79,12 @@ class ColocatedWorker:
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
 
     # ------------------------------------------------------------------ the step
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[dict]]:
-        out = self.engine.generate(prompts, seeds=seeds)
-        return [[asdict(c) for c in group] for group in out]
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 constraints: list[dict | None] | None = None, n: int | None = None) -> dict:
+        """{"groups": completions per prompt (as dicts), "stats": engine counters since last}."""
+        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n)
+        return {"groups": [[asdict(c) for c in group] for group in out],
+                "stats": self.engine.take_stats()}
 
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Old (and reference) logprobs, and critic values, of each micro-batch."""
@@ -117,6 +120,10 @@ class ColocatedWorker:
         return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff}
+
+    def score_tokens(self, token_ids: list[int]) -> list[float]:
+        """The engine's logprob of each token after the first (no sampling)."""
+        return self.engine.prompt_logprobs(token_ids)
 
     def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
         """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""

@@ -1,7 +1,8 @@
 """Typed configuration of the rollout engine (vLLM) and its sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 
 @dataclass
@@ -11,15 +12,25 @@ class RolloutConfig:
     prompts_per_step: int = 16
     "Prompts drawn per RL step; the rollout batch is prompts_per_step * n samples."
     temperature: float = 1.0
-    "Sampling temperature (1.0 keeps rollout logprobs comparable with the trainer's)."
+    "Sampling temperature; the trainer divides its logits by the same value."
     top_p: float = 1.0
-    "Nucleus sampling mass."
+    "Nucleus sampling mass (1.0: off)."
+    top_k: int = 0
+    "Sample among the k most likely tokens (0: off)."
+    min_p: float = 0.0
+    "Drop tokens below min_p times the top token's probability (0: off)."
     max_new_tokens: int = 16
     "Longest response in tokens."
+    stop: List[str] = field(default_factory=list)
+    "Stop strings (not included in the response)."
+    stop_token_ids: List[int] = field(default_factory=list)
+    "Extra token ids that end a response (the tokenizer's eos always does)."
     max_model_len: int = 512
-    "Longest prompt + response the engine accepts."
+    "Longest prompt + response the engine accepts; longer prompts are filtered out up front."
     dtype: str = "float32"
     "vLLM weights/activations dtype: float32, bfloat16 or auto."
+    logprobs_mode: str = "processed_logprobs"
+    "Which logprobs vLLM returns; processed_logprobs (after temperature) match the trainer's."
     enable_prefix_caching: bool = True
     "Reuse KV blocks of shared prompt prefixes (reset after every weight sync)."
     block_size: int = 32
@@ -28,3 +39,40 @@ class RolloutConfig:
     "KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."
     gpu_memory_utilization: float = 0.5
     "Fraction of GPU memory for the engine when colocated with training on a GPU."
+    speculative_method: Optional[str] = None
+    "Speculative decoding: None (off), ngram (prompt lookup) or draft (a small model)."
+    num_speculative_tokens: int = 3
+    "Tokens proposed per speculation step."
+    draft_model: Optional[str] = None
+    "speculative_method=draft: a local model directory with the same tokenizer."
+    prompt_lookup_max: int = 4
+    "ngram: longest n-gram matched in the prompt."
+    prompt_lookup_min: int = 1
+    "ngram: shortest n-gram matched in the prompt."
+    json_schema_key: str = "json_schema"
+    "Row field with a JSON schema that the sample's output must follow (absent: free text)."
+    regex_key: str = "regex"
+    "Row field with a regex that the sample's output must match."
+    choices_key: str = "choices"
+    "Row field with a list of strings, one of which the output must be."
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's speculative_config for the chosen method."""
+        if self.speculative_method is None:
+            return None
+        if self.temperature not in (0.0, 1.0):
+            # sampled-token logprobs are re-scored at temperature 1 under speculation
+            raise ValueError(f"rollout.speculative_method with temperature={self.temperature}: "
+                             f"use temperature 1.0 (or 0 for greedy) with speculation")
+        if self.speculative_method == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                    "prompt_lookup_max": self.prompt_lookup_max,
+                    "prompt_lookup_min": self.prompt_lookup_min}
+        if self.speculative_method == "draft":
+            if not self.draft_model:
+                raise ValueError("rollout.speculative_method=draft needs rollout.draft_model "
+                                 "(a local model directory with the same tokenizer)")
+            return {"model": self.draft_model,
+                    "num_speculative_tokens": self.num_speculative_tokens}
+        raise ValueError(f"rollout.speculative_method={self.speculative_method!r}: use ngram, "
+                         f"draft, or leave it unset")

@@ -171,9 +171,10 @@ class PolicyTrainer:
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first (a collective under ZeRO-3: every rank calls)."""
         self.engine.eval()
-        ids = torch.tensor([token_ids])
-        lp, _ = self._forward(self.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-        return lp[0].tolist()
+        ids = torch.tensor([token_ids]).to(self.engine.device)
+        logits = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             use_cache=False).logits
+        return token_logprobs(logits, ids, 1.0)[0].tolist()  # raw, like vLLM's prompt logprobs
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """DeepSpeed checkpoint (model, optimizer, LR state); every rank calls."""

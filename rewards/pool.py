@@ -1,0 +1,113 @@
+"""Reward calls in worker processes: in parallel, off the controller's thread, each with a
+timeout. A call that hangs past its timeout has its worker killed and replaced; a call that
+raises (or kills its worker) is reported as an error. Nothing a reward does stops the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing as mp
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+
+def _call(fn, kwargs):
+    out = fn(**kwargs)
+    if inspect.isawaitable(out):  # async def rewards
+        async def _await():
+            return await out
+        out = asyncio.run(_await())
+    return out
+
+
+def _worker_main(conn, specs: list[str]) -> None:
+    from rewards.registry import resolve
+
+    fns = [resolve(s) for s in specs]
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        call_id, term, kwargs = msg
+        try:
+            conn.send((call_id, OK, _call(fns[term], kwargs)))
+        except BaseException:  # report everything; the worker lives on
+            try:
+                conn.send((call_id, ERROR, traceback.format_exc()))
+            except Exception:  # the traceback itself did not pickle
+                conn.send((call_id, ERROR, "reward raised an exception that could not be sent"))
+
+
+@dataclass
+class _Worker:
+    process: mp.Process
+    conn: object
+    call_id: int | None = None
+    deadline: float = 0.0
+
+
+class RewardPool:
+    def __init__(self, specs: list[str], num_workers: int, timeout_s: float):
+        self.specs, self.timeout_s = specs, timeout_s
+        self._ctx = mp.get_context("spawn")  # no fork of a process holding threads / Ray
+        self.workers = [self._spawn() for _ in range(max(1, num_workers))]
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        p = self._ctx.Process(target=_worker_main, args=(child, self.specs), daemon=True)
+        p.start()
+        child.close()
+        return _Worker(p, parent)
+
+    def _replace(self, w: _Worker) -> None:
+        w.process.kill()
+        w.process.join(timeout=5)
+        w.conn.close()
+        self.workers[next(i for i, x in enumerate(self.workers) if x is w)] = self._spawn()
+
+    def run(self, calls: list[tuple[int, dict]]) -> list[tuple[str, object]]:
+        """calls: (term index, kwargs); returns (status, value or traceback) per call, in order."""
+        results: list = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        while pending or any(w.call_id is not None for w in self.workers):
+            for w in self.workers:
+                if w.call_id is None and pending:
+                    cid = pending.popleft()
+                    w.call_id, w.deadline = cid, time.monotonic() + self.timeout_s
+                    w.conn.send((cid, calls[cid][0], calls[cid][1]))
+            busy = [w for w in self.workers if w.call_id is not None]
+            wait_for = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = wait([w.conn for w in busy], timeout=wait_for)
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        cid, status, value = w.conn.recv()
+                    except (EOFError, OSError):  # the reward killed its own worker
+                        results[w.call_id] = (ERROR, f"the reward's worker process died "
+                                                     f"(exit code {w.process.exitcode})")
+                        w.call_id = None
+                        self._replace(w)
+                        continue
+                    results[cid] = (status, value)
+                    w.call_id = None
+                elif time.monotonic() >= w.deadline:
+                    results[w.call_id] = (TIMEOUT, None)
+                    w.call_id = None
+                    self._replace(w)
+        return results
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+            w.process.join(timeout=2)
+            if w.process.is_alive():
+                w.process.kill()
+        self.workers = []

@@ -1,0 +1,49 @@
+"""`reward_model` scores a batch with a tiny locally built classifier, in its own Ray actor."""
+import math
+
+import pytest
+import torch
+
+from rl.config import RewardConfig, RewardTerm
+from rl.rewarding import RewardScorer
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from rl.models import build_tiny_model
+
+    lm = build_tiny_model("tiny-qwen2", seed=4, out_dir=tmp_path_factory.mktemp("m") / "lm")
+    tok = AutoTokenizer.from_pretrained(lm)
+    cfg = Qwen2Config.from_pretrained(lm)
+    cfg.num_labels, cfg.pad_token_id = 1, tok.pad_token_id
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(cfg)
+    out = lm.parent / "rm"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_model_scores_a_batch(ray_session, classifier):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    term = RewardTerm(name="reward_model", args={"path": str(classifier), "batch_size": 2})
+    scorer = RewardScorer(RewardConfig(functions=[term]), "prompt")
+    rows = [{"prompt": "What is 1 + 1?"}, {"prompt": "What is 2 + 2?"}, {"prompt": "Hi"}]
+    completions = ["2", "5", "hello there"]
+    try:
+        totals, m = scorer.score(rows, completions)
+    finally:
+        scorer.close()
+    assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0
+    assert all(math.isfinite(t) for t in totals) and len(set(totals)) == 3
+    # the same numbers as the model run here, one text at a time (batching changes nothing)
+    tok = AutoTokenizer.from_pretrained(classifier)
+    model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
+    with torch.no_grad():
+        direct = [model(**tok(r["prompt"] + c, return_tensors="pt")).logits[0, 0].item()
+                  for r, c in zip(rows, completions)]
+    assert totals == pytest.approx(direct, abs=1e-4)
+    assert m["reward/reward_model/mean"] == pytest.approx(sum(direct) / 3, abs=1e-4)

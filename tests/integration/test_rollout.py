@@ -1,0 +1,138 @@
+"""Rollout features on the real vLLM (tiny local models, engines inside Ray workers):
+speculative decoding keeps logprobs exact, per-sample structured outputs, prefix-cache hit rate
+and its reset after a weight sync, reproducible seeds."""
+import json
+
+import pytest
+
+from rl.config import load_config
+from rl.models import build_tiny_model
+from rl.placement import start_workers, stop_workers
+
+PROMPT_TEXT = "What is 12 + 7? Reply with the number only. " * 6  # > one 32-token block
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = str(build_tiny_model("tiny-qwen2", seed=5, out_dir=tmp_path_factory.mktemp("m") / "q"))
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def worker(ray, cfg, path, with_trainer):
+    workers, pg = start_workers(cfg)
+    w = workers[0]
+    if with_trainer:
+        ray.get(w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0))
+    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
+    return w, (workers, pg)
+
+
+@pytest.fixture(scope="module")
+def plain(ray_session, model_and_tokenizer):
+    cfg = load_config(None, ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4", "rollout.max_new_tokens=12",
+                             "rollout.prompts_per_step=2", "trainer.micro_batch_size=4"])
+    w, handle = worker(ray_session, cfg, model_and_tokenizer[0], with_trainer=True)
+    yield ray_session, w
+    stop_workers(*handle)
+
+
+def prompt_ids(tok, text=PROMPT_TEXT):
+    return tok.apply_chat_template([{"role": "user", "content": text}],
+                                   add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, tmp_path):
+    """Greedy output with speculation equals greedy output without it (rejection sampling keeps
+    the target distribution), and the returned logprobs are the target model's."""
+    ray, reference = plain
+    path, tok = model_and_tokenizer
+    common = ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=1",
+              "algorithm.advantage=reinforce_pp", "rollout.max_new_tokens=16",
+              "rollout.prompts_per_step=2", "rollout.temperature=0.0"]
+    extra = [f"rollout.speculative_method={method}", "rollout.num_speculative_tokens=3"]
+    if method == "draft":
+        draft = build_tiny_model("tiny-qwen2", seed=9, out_dir=tmp_path / "draft")
+        extra.append(f"rollout.draft_model={draft}")
+    spec, spec_handle = worker(ray, load_config(None, common + extra), path, with_trainer=False)
+    greedy, greedy_handle = worker(ray, load_config(None, common), path, with_trainer=False)
+    try:
+        prompts = [prompt_ids(tok), prompt_ids(tok, "Say 5 5 5 5 5 5 5 5")]
+        out = ray.get(spec.generate.remote(prompts, [1, 2]))
+        base = ray.get(greedy.generate.remote(prompts, [1, 2]))
+        assert 0.0 <= out["stats"]["rollout/spec_accept_rate"] <= 1.0
+        for p, group, base_group in zip(prompts, out["groups"], base["groups"]):
+            c = group[0]
+            assert c["token_ids"] == base_group[0]["token_ids"]
+            exact = ray.get(reference.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
+            assert len(exact) == len(c["logprobs"])
+            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
+    finally:
+        stop_workers(*spec_handle)
+        stop_workers(*greedy_handle)
+
+
+def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_and_tokenizer):
+    """Sampling (temperature 1) with ngram speculation: every returned logprob is the target
+    model's logprob of that token."""
+    ray, reference = plain
+    path, tok = model_and_tokenizer
+    cfg = load_config(None, ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4", "rollout.max_new_tokens=16",
+                             "rollout.prompts_per_step=2", "rollout.speculative_method=ngram"])
+    spec, handle = worker(ray, cfg, path, with_trainer=False)
+    try:
+        prompts = [prompt_ids(tok, "Say 5 5 5 5 5 5 5 5"), prompt_ids(tok)]
+        for p, group in zip(prompts, ray.get(spec.generate.remote(prompts, [3, 4]))["groups"]):
+            for c in group:
+                exact = ray.get(reference.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
+                assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
+    finally:
+        stop_workers(*handle)
+
+
+def test_structured_outputs_per_sample(plain, model_and_tokenizer):
+    ray, w = plain
+    _, tok = model_and_tokenizer
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    prompts = [prompt_ids(tok, "Give JSON"), prompt_ids(tok, "Pick one"),
+               prompt_ids(tok, "Digits"), prompt_ids(tok, "Anything")]
+    constraints = [{"json": schema}, {"choice": ["yes", "no"]}, {"regex": r"[0-9]{3}"}, None]
+    out = ray.get(w.generate.remote(prompts, [1, 2, 3, 4], constraints))["groups"]
+    import re
+
+    import jsonschema
+
+    for c in out[0]:
+        if c["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(c["text"]), schema)
+    assert all(c["text"] in ("yes", "no") for c in out[1])
+    assert all(re.fullmatch(r"[0-9]{3}", c["text"]) for c in out[2])
+
+
+def test_prefix_hit_rate_and_reset_after_sync(plain, model_and_tokenizer):
+    ray, w = plain
+    _, tok = model_and_tokenizer
+    p = prompt_ids(tok)
+    stats = lambda prompt, seed, n: ray.get(  # noqa: E731
+        w.generate.remote([prompt], [seed], None, n))["stats"]["rollout/prefix_hit_rate"]
+    stats(p, 1, 1)  # fills the cache with this prompt's blocks
+    assert stats(p, 2, 1) > 0  # a later request reuses them
+    assert stats(prompt_ids(tok, "A new prompt. " * 12), 3, 4) > 0  # n samples share blocks
+    ray.get(w.sync_weights.remote(1 << 20, p[:20], 1e-3))
+    assert stats(p, 4, 1) == 0.0  # the sync dropped every cached block (stale KV)
+
+
+def test_seeds_reproduce_completions(plain, model_and_tokenizer):
+    ray, w = plain
+    _, tok = model_and_tokenizer
+    p = [prompt_ids(tok, "Seeded")]
+    first = ray.get(w.generate.remote(p, [11]))["groups"]
+    second = ray.get(w.generate.remote(p, [11]))["groups"]
+    other = ray.get(w.generate.remote(p, [12]))["groups"]
+    tokens = lambda g: [c["token_ids"] for c in g[0]]  # noqa: E731
+    assert tokens(first) == tokens(second)
+    assert tokens(first) != tokens(other)
+    assert len(set(map(tuple, tokens(first)))) > 1  # the n samples differ from each other
