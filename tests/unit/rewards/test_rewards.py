@@ -114,3 +114,12 @@ def test_resolve_errors_say_the_fix(tmp_path):
         resolve("rewards.builtin:nope")
     with pytest.raises(ValueError, match="does not exist"):
         resolve(f"{tmp_path}/missing.py:f")
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ('{"count": 12}', 1.0), ('{"count": "12"}', 1.0), ('{"count": 11}', 0.0),
+    ('{"other": 12}', 0.0), ("12", 0.0), ("{not json", 0.0), ('[12]', 0.0)])
+def test_json_field(completion, reward):
+    from rewards.builtin import json_field
+
+    assert json_field(prompt="q", completion=completion, answer="12", field="count") == reward

@@ -1,0 +1,56 @@
+"""Prompts: rendering, structured-output constraints per row, over-long prompts filtered."""
+import json
+
+import pytest
+
+from rl.config import DataConfig
+from rl.data import PromptSet, output_constraint, resolve_rows
+from rl.models import build_tiny_model
+from rollout.config import RolloutConfig
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        build_tiny_model("tiny-qwen2", out_dir=tmp_path_factory.mktemp("m") / "q"))
+
+
+def test_overlong_prompts_are_filtered_with_a_count(tok, capsys):
+    rows = [{"prompt": "short"}, {"prompt": "long " * 200}, {"prompt": "also short"}]
+    ps = PromptSet(rows, tok, DataConfig(), 0, RolloutConfig(max_model_len=64,
+                                                              max_new_tokens=16))
+    assert ps.num_filtered == 1 and [r["prompt"] for r in ps.rows] == ["short", "also short"]
+    assert "skipped 1 of 3 prompts longer than 48 tokens" in capsys.readouterr().out
+
+
+def test_all_prompts_too_long_is_an_error_that_says_the_fix(tok):
+    with pytest.raises(ValueError, match="raise rollout.max_model_len"):
+        PromptSet([{"prompt": "long " * 200}], tok, DataConfig(), 0,
+                  RolloutConfig(max_model_len=64, max_new_tokens=16))
+
+
+def test_missing_prompt_field_names_the_row(tok):
+    with pytest.raises(KeyError, match="row 1 has no field 'prompt'"):
+        PromptSet([{"prompt": "a"}, {"question": "b"}], tok, DataConfig(), 0)
+
+
+def test_output_constraints_from_rows():
+    cfg = RolloutConfig()
+    schema = {"type": "object"}
+    assert output_constraint({"json_schema": json.dumps(schema)}, cfg, 0) == {"json": schema}
+    assert output_constraint({"regex": "[0-9]+"}, cfg, 0) == {"regex": "[0-9]+"}
+    assert output_constraint({"choices": ["a", "b"], "regex": None}, cfg, 0) == \
+        {"choice": ["a", "b"]}
+    assert output_constraint({"prompt": "x"}, cfg, 0) is None
+    with pytest.raises(ValueError, match="row 3 has json and regex constraints"):
+        output_constraint({"json_schema": "{}", "regex": "a"}, cfg, 3)
+
+
+def test_builtin_extraction_rows_carry_a_schema(tmp_path, monkeypatch):
+    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
+    rows = resolve_rows(DataConfig(train_path="builtin:extraction", num_rows=5), 0)
+    assert len(rows) == 5 and json.loads(rows[0]["json_schema"])["required"] == ["count"]
+    with pytest.raises(ValueError, match="built-in data sets are builtin:arithmetic"):
+        resolve_rows(DataConfig(train_path="builtin:nope"), 0)
