@@ -57,11 +57,15 @@ def collect(controller, step: int) -> Collected:
         for s in group:
             s.group = g
     out.samples = [s for group in groups for s in group]
+    counts = ("reward/errors", "reward/timeouts")
+    # per-term means averaged over rounds (equal sizes); failure counts added up
+    out.metrics = {k: sum(m[k] for m in reward_metrics) / (1 if k in counts else
+                                                             len(reward_metrics))
+                   for k in reward_metrics[0]}
     rewards = [s.reward for s in out.all_samples]
     mean = sum(rewards) / len(rewards)
-    out.metrics = {"reward/mean": mean,
-                   "reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-                   "reward/errors": sum(m["reward/errors"] for m in reward_metrics)}
+    out.metrics.update({"reward/mean": mean, "reward/std": (
+        sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5})
     if algo.overlong_buffer:
         out.metrics["reward/shaped_mean"] = sum(s.score for s in out.all_samples) / len(rewards)
     if algo.dynamic_sampling:
