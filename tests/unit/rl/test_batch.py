@@ -1,6 +1,5 @@
 """Padded micro-batches and the split of a rollout batch over mini-batches, ranks, micro-batches."""
 import pytest
-import torch
 
 from rl.batch import Sample, chunk, collate, plan_update, response_slice
 

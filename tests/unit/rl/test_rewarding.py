@@ -1,7 +1,5 @@
 """Reward terms run in worker processes: a reward that raises, hangs, returns NaN or a string is
 counted and gets the fallback; the others are unaffected; the run goes on."""
-import math
-from pathlib import Path
 
 import pytest
 
