@@ -14,7 +14,7 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from rl.batch import Sample, chunk, collate
+from rl.batch import Sample, collate, split_ranks
 from rl.config import Config
 
 
@@ -48,7 +48,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     world = len(workers)
     per_rank = max(1, w.batch_size // world)
     grad_accum = -(-per_rank // cfg.trainer.micro_batch_size)
-    trainer_cfg = replace(cfg.trainer, lr=w.lr, zero_stage=cfg.trainer.zero_stage)
+    trainer_cfg = replace(cfg.trainer, lr=w.lr)
     loss_cfg = replace(cfg.algorithm.loss, kl_coef=0.0)
     ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
              for wk in workers])
@@ -68,10 +68,8 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
             response = tokenizer.encode(target, add_special_tokens=False) + [eos]
             samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
         num_tokens = float(sum(len(s.response_ids) for s in samples))
-        futures = []
-        for wk, part in zip(workers, chunk(samples, world)):
-            micro = [collate(m, tokenizer.pad_token_id) for m in chunk(part, grad_accum) if m]
-            futures.append(wk.sft.remote(micro, num_tokens))
+        futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
+                   for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]
         loss = sum(m["loss/sft"] for m in ray.get(futures))
         if step % 50 == 0 or step == w.sft_steps:
             print(f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}", flush=True)
