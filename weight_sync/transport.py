@@ -1,0 +1,182 @@
+"""One interface for moving a policy version from the trainer ranks into rollout engines.
+
+`send(module, version)` runs on every trainer rank (ZeRO-3 gathers are collective);
+`receive(load_weights, version)` runs beside each engine, with its `load_weights(iterator of
+(name, tensor))`. Two transports implement it:
+
+- `LocalTransport` (colocated): the engine lives in the trainer's process and reads the gathered
+  weights straight from the trainer's iterator; one in-process copy.
+- `BroadcastTransport` (disaggregated): trainer rank 0 broadcasts over a `CollectiveGroup` to
+  every engine: one `SyncLayout` message, then flat checksummed buckets back to back, gathering
+  bucket k+1 from ZeRO-3 while bucket k is on the wire. No per-parameter call, no disk.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from weight_sync.buckets import SyncStats, iter_full_weights
+from weight_sync.checksums import get_checksum
+from weight_sync.collective import CollectiveGroup
+from weight_sync.layout import (SyncLayout, as_int64, flatten_into, new_buffer, plan_layout,
+                                read_trailer, unflatten, write_trailer)
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+class WeightSyncError(RuntimeError):
+    """A sync did not deliver the policy version it was asked for (corrupted bucket, version
+    mismatch); the engine is marked stale and must not generate until a good sync."""
+
+
+def tied_head_alias(module: torch.nn.Module) -> dict[str, str]:
+    """{"lm_head.weight": <embedding name>} for tied embeddings: the head is no separate
+    parameter, yet vLLM keeps its own copy, which must be sent or it silently keeps the old one."""
+    if not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        return {}
+    names = [n for n, _ in module.named_parameters() if n.endswith("embed_tokens.weight")]
+    return {"lm_head.weight": names[0]} if names else {}
+
+
+class WeightTransport(ABC):
+    @abstractmethod
+    def send(self, module: torch.nn.Module, version: int) -> SyncStats:
+        """Offer the module's weights as policy `version` (every trainer rank calls this)."""
+
+    @abstractmethod
+    def receive(self, load_weights: LoadWeights, version: int) -> SyncStats:
+        """Load policy `version` into an engine; raises WeightSyncError if it did not arrive."""
+
+
+class LocalTransport(WeightTransport):
+    """Colocated: `send` prepares a lazy bucketed iterator, `receive` (same process) drains it
+    into the engine, so at most one bucket of gathered weights exists at a time."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self._pending: tuple[int, Iterator, SyncStats] | None = None
+
+    def send(self, module: torch.nn.Module, version: int) -> SyncStats:
+        stats = SyncStats()
+        weights = iter_full_weights(module, self.bucket_bytes, bool(tied_head_alias(module)), stats)
+        self._pending = (version, weights, stats)
+        return stats  # filled in while receive() consumes the iterator
+
+    def receive(self, load_weights: LoadWeights, version: int) -> SyncStats:
+        if self._pending is None or self._pending[0] != version:
+            sent = None if self._pending is None else self._pending[0]
+            raise WeightSyncError(f"asked to load policy version {version}, the trainer offered "
+                                  f"{sent}: call send() with the same version first")
+        _, weights, stats = self._pending
+        self._pending = None
+        load_weights(weights)
+        return stats
+
+
+def _full_shape(p: torch.nn.Parameter) -> list[int]:
+    return list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)  # ZeRO-3 keeps it here
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return nullcontext()
+
+
+class BroadcastTransport(WeightTransport):
+    """Disaggregated: trainer rank 0 (group rank 0) broadcasts to every engine in `group`.
+    Trainer ranks without a group only take part in the ZeRO-3 gathers."""
+
+    def __init__(self, group: CollectiveGroup | None, bucket_bytes: int, checksum: str = "sum64"):
+        self.group, self.bucket_bytes, self.checksum = group, bucket_bytes, checksum
+        self._checksum = get_checksum(checksum)
+
+    def send(self, module: torch.nn.Module, version: int, corrupt_bucket: int | None = None
+             ) -> SyncStats:
+        """`corrupt_bucket` flips bytes of that bucket after its checksum is taken: a fault
+        injection for tests of the receiver's check."""
+        params = list(module.named_parameters())
+        by_name = dict(params)
+        layout = plan_layout([(n, _full_shape(p), p.dtype) for n, p in params], self.bucket_bytes,
+                             version, self.checksum, tied_head_alias(module))
+        group = self.group
+        if group is not None:
+            group.broadcast_bytes(layout.encode())
+        stats = SyncStats()
+        in_flight = None
+        for index, bucket in enumerate(layout.buckets):
+            bucket_params = [by_name[m.name] for m in bucket.tensors]
+            with _gathered(bucket_params):
+                if group is None:
+                    continue
+                buffer = new_buffer(bucket, group.device)
+                flatten_into(buffer, bucket, [p.data for p in bucket_params])
+            write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
+            if index == corrupt_bucket:
+                buffer[:min(8, bucket.nbytes)] ^= 0x5A
+            if in_flight is not None:
+                in_flight.wait()  # at most two buckets exist: the one on the wire, the next
+            in_flight = group.broadcast(buffer)
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket.tensors)
+            stats.bytes += bucket.nbytes
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+        if in_flight is not None:
+            in_flight.wait()
+        return stats
+
+    def receive(self, load_weights: LoadWeights, version: int) -> SyncStats:
+        group = self.group
+        layout = SyncLayout.decode(group.broadcast_bytes(None))
+        errors: list[str] = []
+        if layout.version != version:
+            errors.append(f"the trainer sent policy version {layout.version}, this engine was "
+                          f"told to expect {version}")
+        check = get_checksum(layout.checksum)
+        stats = SyncStats()
+
+        def post(k: int):
+            buffer = new_buffer(layout.buckets[k], group.device)  # fresh: vLLM may keep views
+            return buffer, group.broadcast(buffer)
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            pending = post(0) if layout.buckets else None
+            for k, bucket in enumerate(layout.buckets):
+                buffer, work = pending
+                work.wait()
+                pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
+                sent, got = read_trailer(buffer, bucket), as_int64(check(buffer[:bucket.nbytes]))
+                if sent != got:
+                    names = [m.name for m in bucket.tensors]
+                    errors.append(f"bucket {k}/{len(layout.buckets)} ({bucket.nbytes} bytes: "
+                                  f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) "
+                                  f"failed its {layout.checksum} check: sent {sent:#x}, "
+                                  f"received {got:#x}")
+                    continue
+                stats.num_buckets += 1
+                stats.bytes += bucket.nbytes
+                stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+                for name, tensor in unflatten(buffer, bucket):
+                    stats.num_tensors += 1
+                    yield name, tensor
+                    for alias, source in layout.aliases.items():
+                        if source == name:
+                            yield alias, tensor
+
+        weights = stream()
+        try:
+            if not errors:
+                load_weights(weights)
+        finally:
+            for _ in weights:  # drain what the engine did not take, or the sender would hang
+                pass
+        if errors:
+            raise WeightSyncError(
+                f"weight sync to policy version {version} failed on this engine: "
+                + "; ".join(errors) + ". The engine is marked stale; sync again before generating.")
+        return stats
