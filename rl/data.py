@@ -1,6 +1,7 @@
 """Prompts for rollout: rows read with `datasets`, rendered with the tokenizer's chat template."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -96,6 +97,13 @@ class PromptSet:
         self.texts = [tokenizer.decode(p) for p in self.prompt_ids]
         self._rng = random.Random(seed)
         self._order: list[int] = []
+
+    def with_order(self, seed: int) -> "PromptSet":
+        """The same prompts with an order of their own: a consumer (the warm-up) that must not
+        shift what RL sees, whether or not that consumer ran (its result may be cached)."""
+        other = copy.copy(self)
+        other._rng, other._order = random.Random(seed), []
+        return other
 
     def next_batch(self, size: int) -> list[int]:
         """Row indices of the next `size` prompts (a new shuffled epoch when one runs out)."""

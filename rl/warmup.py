@@ -53,11 +53,12 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
              for wk in workers])
     rng = random.Random(cfg.run.seed)
+    order = prompts.with_order(cfg.run.seed + 1)
     eos = tokenizer.eos_token_id
     print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
           f"(answer_noise={w.answer_noise})", flush=True)
     for step in range(1, w.sft_steps + 1):
-        rows = prompts.next_batch(per_rank * world)
+        rows = order.next_batch(per_rank * world)
         samples = []
         for i in rows:
             row = prompts.rows[i]

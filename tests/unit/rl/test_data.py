@@ -54,3 +54,12 @@ def test_builtin_extraction_rows_carry_a_schema(tmp_path, monkeypatch):
     assert len(rows) == 5 and json.loads(rows[0]["json_schema"])["required"] == ["count"]
     with pytest.raises(ValueError, match="built-in data sets are builtin:arithmetic"):
         resolve_rows(DataConfig(train_path="builtin:nope"), 0)
+
+
+def test_a_forked_order_does_not_shift_the_main_order(tok):
+    rows = [{"prompt": f"q{i}"} for i in range(10)]
+    reference, main = (PromptSet(rows, tok, DataConfig(), 0) for _ in range(2))
+    fork = main.with_order(1)
+    fork.next_batch(7)  # the warm-up draws from its own order (or is cached and draws none)
+    assert main.next_batch(12) == reference.next_batch(12)
+    assert fork.prompt_ids is main.prompt_ids  # shares the prompts, not copies them
