@@ -33,6 +33,7 @@ class Sample:
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    policy_version: int = 0  # the policy version of the engine that generated the sample
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict:

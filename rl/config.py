@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from rollout.config import RolloutConfig
 from update.config import LossConfig, TrainerConfig
+from weight_sync.checksums import CHECKSUMS
 
 
 @dataclass
@@ -125,6 +126,10 @@ class SyncConfig:
     "Largest bucket of gathered weights in MiB (bounds the extra memory of a sync)."
     tolerance: float = 1e-3
     "Largest allowed |trainer - engine| probe logprob after a sync (1e-3 fits fp32 on both sides)."
+    checksum: str = "sum64"
+    "Disaggregated: per-bucket checksum verified on arrival (sum64: fast, on device; crc32)."
+    timeout_s: float = 600.0
+    "Disaggregated: seconds a sync-group operation may wait for a peer before it fails."
 
 
 @dataclass
@@ -132,11 +137,20 @@ class RayConfig:
     address: Optional[str] = None
     "None: start a local Ray instance; 'auto' or host:port: join an existing cluster."
     num_workers: int = 2
-    "Colocated workers, one trainer rank + one rollout engine each."
+    "Trainer ranks (DeepSpeed); colocated, each also holds one rollout engine."
     num_cpus_per_worker: float = 1.0
-    "CPUs Ray reserves per worker."
+    "CPUs Ray reserves per trainer rank (colocated: per worker)."
     num_gpus_per_worker: float = 0.0
-    "GPUs Ray reserves per worker (1.0 on a GPU cluster)."
+    "GPUs Ray reserves per trainer rank (1.0 on a GPU cluster)."
+    num_rollout_workers: int = 2
+    "Disaggregated: rollout engines (one vLLM each, in actors of their own)."
+    num_cpus_per_rollout_worker: float = 1.0
+    "Disaggregated: CPUs Ray reserves per rollout engine."
+    num_gpus_per_rollout_worker: float = 0.0
+    "Disaggregated: GPUs Ray reserves per rollout engine (1.0 on a GPU cluster)."
+
+
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 @dataclass
@@ -151,6 +165,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: str = "colocated"
+    "colocated: each worker holds a trainer rank and an engine; disaggregated: separate pools."
 
 
 class ConfigError(ValueError):
@@ -223,6 +239,15 @@ def validate(cfg: Config) -> None:
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     if cfg.rollout.n < 2 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group advantages need n >= 2")
+    if cfg.placement not in PLACEMENTS:
+        raise ConfigError(f"placement={cfg.placement!r} is not known; use one of: "
+                          f"{', '.join(PLACEMENTS)}")
+    if cfg.placement == "disaggregated" and cfg.ray.num_rollout_workers < 1:
+        raise ConfigError(f"ray.num_rollout_workers={cfg.ray.num_rollout_workers}: a "
+                          f"disaggregated run needs at least one rollout engine")
+    if cfg.sync.checksum not in CHECKSUMS:
+        raise ConfigError(f"sync.checksum={cfg.sync.checksum!r} is not known; use one of: "
+                          f"{', '.join(CHECKSUMS)}")
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):

@@ -11,7 +11,7 @@ from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_
 from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
-from rl.placement import start_ray, start_workers, stop_workers
+from rl.placement import start_placement, start_ray
 from rl.rewarding import RewardScorer
 from update.losses import kl as kl_estimate
 
@@ -52,9 +52,9 @@ def reduce_rank_metrics(results: list[dict]) -> dict:
 class Controller:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.workers: list = []
-        self.placement_group = None
+        self.placement = None
         self.scorer = None
+        self.policy_version = 0  # bumped by every sync; engines and samples carry it
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -75,17 +75,17 @@ class Controller:
                                  cfg.run.seed, cfg.rollout)
         start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
-        self.workers, self.placement_group = start_workers(cfg)
+        self.placement = start_placement(cfg)
+        self.trainers, self.engines = self.placement.trainers, self.placement.engines
         if cfg.warmup.sft_steps > 0:
-            model_path = run_warmup(self.workers, model_path, self.prompts, self.tokenizer, cfg)
+            model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer, cfg)
         self.model_path = model_path
         self.grad_accum = grad_accum_steps(cfg)
         ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                        self.grad_accum, cfg.rollout.temperature,
                                        float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
-                 for w in self.workers])
-        ray.get([w.init_rollout.remote(model_path, cfg.rollout, cfg.run.seed)
-                 for w in self.workers])
+                 for w in self.trainers])
+        self.placement.init_rollout(model_path, self.policy_version)
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
@@ -93,16 +93,18 @@ class Controller:
 
     # ------------------------------------------------------------------ one step
     def generate(self, rows: list[int], step: int, round_index: int = 0) -> list[Sample]:
-        """n samples per prompt row, spread over the workers' engines, gathered in order."""
+        """n samples per prompt row, spread over the engines, gathered in order; each engine
+        first checks it holds the current policy version."""
         import ray
 
         n = self.cfg.rollout.n
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
-        parts = chunk(list(enumerate(rows)), len(self.workers))
-        futures = [w.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
+        parts = chunk(list(enumerate(rows)), len(self.engines))
+        futures = [e.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
                                      [base + g * n for g, _ in part],
-                                     [self.prompts.constraints[r] for _, r in part])
-                   for w, part in zip(self.workers, parts)]
+                                     [self.prompts.constraints[r] for _, r in part],
+                                     version=self.policy_version)
+                   for e, part in zip(self.engines, parts)]
         samples = []
         results = ray.get(futures)
         self.rollout_stats = {k: sum(r["stats"][k] for r in results) / len(results)
@@ -111,7 +113,8 @@ class Controller:
             for (g, r), completions in zip(part, result["groups"]):
                 for c in completions:
                     samples.append(Sample(r, g, self.prompts.prompt_ids[r], c["token_ids"],
-                                          c["logprobs"], c["finish_reason"], c["text"]))
+                                          c["logprobs"], c["finish_reason"], c["text"],
+                                          policy_version=result["policy_version"]))
         return samples
 
     def score(self, samples: list[Sample]) -> dict:
@@ -130,10 +133,10 @@ class Controller:
         metrics; the KL reward penalty when the KL is not a loss term."""
         import ray
 
-        parts = split_ranks(samples, len(self.workers), self.grad_accum)
+        parts = split_ranks(samples, len(self.trainers), self.grad_accum)
         pad = self.tokenizer.pad_token_id
         results = ray.get([w.prepare.remote([collate(m, pad) for m in micros])
-                           for w, micros in zip(self.workers, parts)])
+                           for w, micros in zip(self.trainers, parts)])
         for micros, outs in zip(parts, results):
             for micro, out in zip(micros, outs):
                 for i, s in enumerate(micro):
@@ -175,24 +178,33 @@ class Controller:
         totals: dict[str, float] = {}
         num_steps = algo.ppo_epochs * algo.num_mini_batches
         for epoch in range(algo.ppo_epochs):
-            plan = plan_update(samples, len(self.workers), algo.num_mini_batches,
+            plan = plan_update(samples, len(self.trainers), algo.num_mini_batches,
                                self.grad_accum, self.tokenizer.pad_token_id,
                                (self.cfg.run.seed + step) * 1000 + epoch)
             for ranks, counts in zip(plan.mini_batches, plan.counts):
                 merged = reduce_rank_metrics(ray.get([w.train.remote(mb, counts)
-                                                      for w, mb in zip(self.workers, ranks)]))
+                                                      for w, mb in zip(self.trainers, ranks)]))
                 for k, v in merged.items():
                     totals[k] = totals.get(k, 0.0) + v / num_steps
         totals["grad/norm"] = totals.pop("grad_norm")
         return totals
 
     def sync(self) -> dict:
-        import ray
+        """Make every engine the next policy version, verified. A sync that failed its checks
+        (e.g. a corrupted bucket) is reported and retried once; a second failure stops the run."""
+        from weight_sync.transport import WeightSyncError
 
-        bucket = int(self.cfg.sync.bucket_mb * 2**20)
-        results = ray.get([w.sync_weights.remote(bucket, self.probe, self.cfg.sync.tolerance)
-                           for w in self.workers])
-        return {k: max(r[k] for r in results) for k in results[0]}
+        version = self.policy_version + 1
+        try:
+            metrics = self.placement.sync(version, self.probe)
+            metrics["sync/retries"] = 0.0
+        except WeightSyncError as e:
+            print(f"weight sync failed, retrying once: {e}", flush=True)
+            metrics = self.placement.sync(version, self.probe)
+            metrics["sync/retries"] = 1.0
+        self.policy_version = version
+        metrics["sync/policy_version"] = float(version)
+        return metrics
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -206,6 +218,9 @@ class Controller:
         metrics.update(self.sync())
         t3 = time.perf_counter()
         metrics.update(self.sample_metrics(samples))
+        versions = [s.policy_version for s in batch.all_samples]
+        metrics["rollout/policy_version"] = float(min(versions))
+        metrics["rollout/staleness"] = float(self.policy_version - 1 - min(versions))
         metrics.update(self.rollout_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.all_samples)
@@ -229,7 +244,8 @@ class Controller:
         keep = samples if self.cfg.run.log_samples < 0 else samples[:self.cfg.run.log_samples]
         return [{"prompt": self.prompts.texts[s.row], "completion": s.text, "reward": s.reward,
                  "advantage": s.advantages[0] if s.advantages else 0.0,
-                 "finish_reason": s.finish_reason} for s in keep]
+                 "finish_reason": s.finish_reason, "policy_version": s.policy_version}
+                for s in keep]
 
     # ------------------------------------------------------------------ outputs
     def checkpoint(self, step: int) -> None:
@@ -238,13 +254,13 @@ class Controller:
         every = self.cfg.trainer.checkpoint_every
         if every and step % every == 0:
             directory = str((self.run_dir / "checkpoints").resolve())
-            ray.get([w.save_checkpoint.remote(directory, f"step_{step}") for w in self.workers])
+            ray.get([w.save_checkpoint.remote(directory, f"step_{step}") for w in self.trainers])
 
     def finish(self) -> Path:
         import ray
 
         final = self.run_dir / "final_model"
-        ray.get([w.save_hf.remote(str(final.resolve())) for w in self.workers])
+        ray.get([w.save_hf.remote(str(final.resolve())) for w in self.trainers])
         self.tokenizer.save_pretrained(final)
         self.log.plot()
         return final
@@ -253,8 +269,9 @@ class Controller:
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
-        stop_workers(self.workers, self.placement_group)
-        self.workers, self.placement_group = [], None
+        if self.placement is not None:
+            self.placement.stop()
+            self.placement = None
 
     def run(self) -> Path:
         """Set up, train cfg.trainer.total_steps steps, save; returns the run directory."""

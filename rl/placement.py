@@ -1,4 +1,10 @@
-"""Ray: a local instance or an existing cluster, and the colocated workers in a placement group."""
+"""Ray, and where the two roles run: colocated (one actor per rank holds a trainer rank and an
+engine) or disaggregated (a trainer pool and a rollout pool of their own actors).
+
+Both placements give the controller the same surface: `trainers` (the DeepSpeed ranks, in rank
+order), `engines` (the rollout actors), `sync(version)` ("make every engine policy `version`,
+verified") and `stop()`.
+"""
 from __future__ import annotations
 
 import math
@@ -20,47 +26,165 @@ def start_ray(cfg: Config) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": env})
     else:
-        need = math.ceil(cfg.ray.num_workers * cfg.ray.num_cpus_per_worker)
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+        need = cfg.ray.num_workers * cfg.ray.num_cpus_per_worker
+        if cfg.placement == "disaggregated":
+            need += cfg.ray.num_rollout_workers * cfg.ray.num_cpus_per_rollout_worker
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                  runtime_env={"env_vars": env})
 
 
-def start_workers(cfg: Config) -> tuple[list, object]:
-    """(workers, placement group): one colocated worker per rank, joined in one process group.
+def _bundle(cpus: float, gpus: float) -> dict:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
-    Remove the placement group with `stop_workers` to give its resources back."""
+
+def _reserve(bundles: list[dict], what: str):
+    """A placement group of `bundles`, ready, or an error that says what to lower."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rl.worker import ColocatedWorker
-
-    bundle = {"CPU": cfg.ray.num_cpus_per_worker}
-    if cfg.ray.num_gpus_per_worker:
-        bundle["GPU"] = cfg.ray.num_gpus_per_worker
-    pg = placement_group([bundle] * cfg.ray.num_workers, strategy="PACK")
+    pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(
-            f"Ray could not place {cfg.ray.num_workers} workers of {bundle} in 300 s; the "
-            f"cluster has {ray.cluster_resources()}. Lower ray.num_workers or the per-worker "
-            f"resources.") from None
-    actor = ray.remote(ColocatedWorker)
-    workers = [actor.options(
-        num_cpus=cfg.ray.num_cpus_per_worker, num_gpus=cfg.ray.num_gpus_per_worker,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-    ).remote(r, cfg.ray.num_workers) for r in range(cfg.ray.num_workers)]
-    addr, port = ray.get(workers[0].rendezvous_address.remote())
-    ray.get([w.init_distributed.remote(addr, port) for w in workers])
-    return workers, pg
+            f"Ray could not place {what} ({len(bundles)} bundles: {bundles}) in 300 s; the "
+            f"cluster has {ray.cluster_resources()}. Lower ray.num_workers / "
+            f"ray.num_rollout_workers or the per-worker resources.") from None
+    return pg
 
 
-def stop_workers(workers: list, pg) -> None:
+def _spawn(cls, pg, first_bundle: int, count: int, cpus: float, gpus: float) -> list:
     import ray
-    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    for w in workers:
-        ray.kill(w)
-    if pg is not None:
-        remove_placement_group(pg)
+    actor = ray.remote(cls)
+    return [actor.options(num_cpus=cpus, num_gpus=gpus,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              pg, placement_group_bundle_index=first_bundle + r)
+                          ).remote(r, count) for r in range(count)]
+
+
+def _join_trainers(trainers: list) -> None:
+    import ray
+
+    addr, port = ray.get(trainers[0].free_address.remote())
+    ray.get([w.init_distributed.remote(addr, port) for w in trainers])
+
+
+class Placement:
+    trainers: list
+    engines: list
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.pg = None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.cfg.sync.bucket_mb * 2**20)
+
+    def init_rollout(self, model_path: str, version: int) -> None:
+        import ray
+
+        ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
+                 for e in self.engines])
+
+    def sync(self, version: int, probe: list[int]) -> dict:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in {id(a): a for a in self.trainers + self.engines}.values():
+            ray.kill(w)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        self.trainers, self.engines, self.pg = [], [], None
+
+
+class Colocated(Placement):
+    """N actors, each one trainer rank + one engine; weights move by in-process copy."""
+
+    def __init__(self, cfg: Config):
+        from rl.worker import ColocatedWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        self.pg = _reserve([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker)] * r.num_workers,
+                           f"{r.num_workers} colocated workers")
+        self.trainers = _spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
+                               r.num_gpus_per_worker)
+        self.engines = self.trainers
+        _join_trainers(self.trainers)
+
+    def sync(self, version: int, probe: list[int]) -> dict:
+        import ray
+
+        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe,
+                                                  self.cfg.sync.tolerance) for w in self.trainers])
+        return {k: max(r[k] for r in results) for k in results[0]}
+
+
+class Disaggregated(Placement):
+    """N trainer actors and M engine actors; trainer rank 0 broadcasts each version to the
+    engines over a gloo (CPU) / NCCL (GPU) group of 1 + M ranks."""
+
+    def __init__(self, cfg: Config):
+        import ray
+
+        from rl.worker import RolloutWorker, TrainerWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        bundles = ([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker)] * r.num_workers
+                   + [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker)]
+                   * r.num_rollout_workers)
+        self.pg = _reserve(bundles, f"{r.num_workers} trainer ranks + {r.num_rollout_workers} "
+                                    f"rollout engines")
+        self.trainers = _spawn(TrainerWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
+                               r.num_gpus_per_worker)
+        self.engines = _spawn(RolloutWorker, self.pg, r.num_workers, r.num_rollout_workers,
+                              r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker)
+        _join_trainers(self.trainers)
+        addr, port = ray.get(self.trainers[0].free_address.remote())
+        size, timeout = 1 + len(self.engines), cfg.sync.timeout_s
+        ray.get([self.trainers[0].join_sync_group.remote(addr, port, 0, size, timeout)]
+                + [e.join_sync_group.remote(addr, port, 1 + i, size, timeout)
+                   for i, e in enumerate(self.engines)])
+
+    def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
+        """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
+        `corrupt_bucket` is a fault injection for tests."""
+        import time
+
+        import ray
+
+        from weight_sync.verify import check_logprobs
+
+        t0 = time.perf_counter()
+        sync = self.cfg.sync
+        sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum, corrupt_bucket)
+                 for t in self.trainers]
+        receives = [e.receive_weights.remote(version) for e in self.engines]
+        ray.wait(sends + receives, num_returns=len(sends) + len(receives))  # all done or failed
+        sent = ray.get(sends)[0]
+        received = ray.get(receives)  # raises the first engine's WeightSyncError
+        seconds = time.perf_counter() - t0
+        trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
+        engines = ray.get([e.score_tokens.remote(probe) for e in self.engines])
+        diff = max(check_logprobs(trainer, lps, sync.tolerance, f"rollout engine {i}")
+                   for i, lps in enumerate(engines))
+        return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
+                "sync/num_buckets": sent["sync/num_buckets"],
+                "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
+                "sync/send_seconds": sent["sync/send_seconds"],
+                "sync/receive_seconds": max(r["sync/receive_seconds"] for r in received),
+                "sync/logprob_max_abs_diff": diff}
+
+
+PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}
+
+
+def start_placement(cfg: Config) -> Placement:
+    return PLACEMENTS[cfg.placement](cfg)

@@ -1,7 +1,8 @@
-"""The colocated worker: one Ray actor holds one trainer rank and one rollout engine.
+"""Ray actors for the two roles: a trainer rank and a rollout engine.
 
-The two take turns in the same process (CPU: same cores; GPU: same device). The worker only
-wires them together; the trainer, the engine and the weight transport stay separate objects.
+Colocated, one actor holds both (they take turns on the same cores or device); disaggregated,
+each role is an actor of its own. The roles only wire things together: the trainer, the engine
+and the weight transport stay separate objects.
 """
 from __future__ import annotations
 
@@ -19,7 +20,21 @@ def cpu_binding(rank: int, world_size: int, num_cpus: int) -> str:
     return f"{first}-{first + per_rank - 1}"
 
 
-class ColocatedWorker:
+def free_address() -> tuple[str, int]:
+    """(this node's IP, a free port), for a process group's rendezvous."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class Role:
+    """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
+
     def __init__(self, rank: int, world_size: int):
         import torch
 
@@ -40,25 +55,29 @@ class ColocatedWorker:
         from update.trainer import device_name
 
         self.device = device_name()
-        self.trainer = self.critic = self.engine = None
+        self.sync_group = None
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """(this node's IP, a free port): rank 0's answer is the process group's address."""
-        import socket
+    def free_address(self) -> tuple[str, int]:
+        return free_address()
 
-        import ray
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int,
+                        timeout_s: float) -> None:
+        """Join the weight-sync group (trainer rank 0 is its rank 0, engines follow)."""
+        from weight_sync.collective import CollectiveGroup
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        self.sync_group = CollectiveGroup(host, port, rank, world_size, self.device, timeout_s)
+
+
+class TrainerRole(Role):
+    """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
+
+    trainer = critic = None
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from update.trainer import init_distributed
 
         init_distributed(self.rank, self.world_size, master_addr, master_port)
 
-    # ------------------------------------------------------------------ set-up
     def init_trainer(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
                      grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
                      critic: bool = False) -> None:
@@ -72,19 +91,6 @@ class ColocatedWorker:
             from update.critic import ValueTrainer
 
             self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
-
-    def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int) -> None:
-        from rollout.vllm_engine import VLLMEngine
-
-        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
-
-    # ------------------------------------------------------------------ the step
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 constraints: list[dict | None] | None = None, n: int | None = None) -> dict:
-        """{"groups": completions per prompt (as dicts), "stats": engine counters since last}."""
-        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n)
-        return {"groups": [[asdict(c) for c in group] for group in out],
-                "stats": self.engine.take_stats()}
 
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Old (and reference) logprobs, and critic values, of each micro-batch."""
@@ -103,35 +109,112 @@ class ColocatedWorker:
     def sft(self, micro_batches: list[dict], num_tokens: float) -> dict:
         return self.trainer.sft_step(micro_batches, num_tokens)
 
-    def sync_weights(self, bucket_bytes: int, probe: list[int], tolerance: float) -> dict:
-        """Stream the trainer's weights into this rank's engine, then verify them on a probe."""
+    def trainer_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The trainer's logprobs of a probe (a collective under ZeRO-3: every rank calls)."""
+        return self.trainer.sequence_logprobs(token_ids)
+
+    def send_weights(self, version: int, bucket_bytes: int, checksum: str,
+                     corrupt_bucket: int | None = None) -> dict:
+        """Disaggregated sync, sending side: every rank gathers, rank 0 broadcasts."""
         import time
 
-        from weight_sync.buckets import SyncStats, iter_full_weights
-        from weight_sync.verify import check_logprobs
+        from weight_sync.transport import BroadcastTransport
 
         t0 = time.perf_counter()
-        stats = SyncStats()
-        tied = bool(getattr(self.trainer.module.config, "tie_word_embeddings", False))
-        self.engine.load_weights(iter_full_weights(self.trainer.module, bucket_bytes, tied, stats))
-        seconds = time.perf_counter() - t0
-        diff = check_logprobs(self.trainer.sequence_logprobs(probe),
-                              self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
-        return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
-                "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/logprob_max_abs_diff": diff}
+        stats = BroadcastTransport(self.sync_group, bucket_bytes, checksum).send(
+            self.trainer.module, version, corrupt_bucket)
+        return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
+                "sync/num_buckets": stats.num_buckets,
+                "sync/max_bucket_bytes": stats.max_bucket_bytes}
 
-    def score_tokens(self, token_ids: list[int]) -> list[float]:
-        """The engine's logprob of each token after the first (no sampling)."""
-        return self.engine.prompt_logprobs(token_ids)
-
-    def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
-        """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""
-        return self.trainer.sequence_logprobs(probe), self.engine.prompt_logprobs(probe)
-
-    # ------------------------------------------------------------------ outputs
     def save_checkpoint(self, directory: str, tag: str) -> None:
         self.trainer.save_checkpoint(directory, tag)
 
     def save_hf(self, directory: str) -> None:
         self.trainer.save_hf(directory)
+
+
+class RolloutRole(Role):
+    """One vLLM engine and the policy version its weights are."""
+
+    engine = None
+    policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
+
+    def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
+                     version: int = 0) -> None:
+        from rollout.vllm_engine import VLLMEngine
+
+        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
+        self.policy_version = version
+
+    def check_version(self, expected: int | None) -> None:
+        if expected is not None and self.policy_version != expected:
+            from weight_sync.transport import WeightSyncError
+
+            raise WeightSyncError(
+                f"rollout engine {self.rank} holds policy version {self.policy_version}, the "
+                f"controller expected {expected}: a sync was missed or failed; refusing to "
+                f"sample from a stale model")
+
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 constraints: list[dict | None] | None = None, n: int | None = None,
+                 version: int | None = None) -> dict:
+        """{"groups": completions per prompt (as dicts), "stats": engine counters since last,
+        "policy_version": the version that generated them}; checks `version` first."""
+        self.check_version(version)
+        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n)
+        return {"groups": [[asdict(c) for c in group] for group in out],
+                "stats": self.engine.take_stats(), "policy_version": self.policy_version}
+
+    def receive_weights(self, version: int) -> dict:
+        """Disaggregated sync, receiving side (bucket size and checksum come with the layout)."""
+        import time
+
+        from weight_sync.transport import BroadcastTransport
+
+        t0 = time.perf_counter()
+        self.policy_version = None  # until the whole version has arrived and checked out
+        stats = BroadcastTransport(self.sync_group, 0).receive(self.engine.load_weights, version)
+        self.policy_version = version
+        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes}
+
+    def score_tokens(self, token_ids: list[int]) -> list[float]:
+        """The engine's logprob of each token after the first (no sampling)."""
+        return self.engine.prompt_logprobs(token_ids)
+
+
+class TrainerWorker(TrainerRole):
+    """Disaggregated: a trainer rank alone."""
+
+
+class RolloutWorker(RolloutRole):
+    """Disaggregated: a rollout engine alone."""
+
+
+class ColocatedWorker(TrainerRole, RolloutRole):
+    """One trainer rank and one rollout engine in one process, taking turns."""
+
+    def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
+                     tolerance: float) -> dict:
+        """Stream the trainer's weights into this rank's engine, then verify them on a probe."""
+        import time
+
+        from weight_sync.transport import LocalTransport
+        from weight_sync.verify import check_logprobs
+
+        t0 = time.perf_counter()
+        self.policy_version = None
+        transport = LocalTransport(bucket_bytes)
+        transport.send(self.trainer.module, version)
+        stats = transport.receive(self.engine.load_weights, version)
+        seconds = time.perf_counter() - t0
+        diff = check_logprobs(self.trainer.sequence_logprobs(probe),
+                              self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
+        self.policy_version = version
+        return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
+                "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
+                "sync/logprob_max_abs_diff": diff}
+
+    def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
+        """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""
+        return self.trainer.sequence_logprobs(probe), self.engine.prompt_logprobs(probe)

@@ -11,7 +11,9 @@ from rl.controller import Controller
 ROOT = Path(__file__).parents[2]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 SMALL = ["trainer.total_steps=2", "rollout.prompts_per_step=8", "rollout.n=4",
-         "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32"]
+         "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32",
+         # the shared 2-CPU Ray instance must fit a disaggregated recipe's 4 actors
+         "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5"]
 
 
 @pytest.fixture(scope="module")

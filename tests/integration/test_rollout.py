@@ -7,7 +7,7 @@ import pytest
 
 from rl.config import load_config
 from rl.models import build_tiny_model
-from rl.placement import start_workers, stop_workers
+from rl.placement import Colocated
 
 PROMPT_TEXT = "What is 12 + 7? Reply with the number only. " * 6  # > one 32-token block
 
@@ -21,12 +21,12 @@ def model_and_tokenizer(tmp_path_factory):
 
 
 def worker(ray, cfg, path, with_trainer):
-    workers, pg = start_workers(cfg)
-    w = workers[0]
+    placement = Colocated(cfg)
+    w = placement.trainers[0]
     if with_trainer:
         ray.get(w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0))
     ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
-    return w, (workers, pg)
+    return w, placement
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def plain(ray_session, model_and_tokenizer):
                              "rollout.prompts_per_step=2", "trainer.micro_batch_size=4"])
     w, handle = worker(ray_session, cfg, model_and_tokenizer[0], with_trainer=True)
     yield ray_session, w
-    stop_workers(*handle)
+    handle.stop()
 
 
 def prompt_ids(tok, text=PROMPT_TEXT):
@@ -70,8 +70,8 @@ def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, t
             assert len(exact) == len(c["logprobs"])
             assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
     finally:
-        stop_workers(*spec_handle)
-        stop_workers(*greedy_handle)
+        spec_handle.stop()
+        greedy_handle.stop()
 
 
 def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_and_tokenizer):
@@ -89,7 +89,7 @@ def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_a
                 exact = ray.get(reference.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
                 assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
     finally:
-        stop_workers(*handle)
+        handle.stop()
 
 
 def test_structured_outputs_per_sample(plain, model_and_tokenizer):
@@ -121,7 +121,7 @@ def test_prefix_hit_rate_and_reset_after_sync(plain, model_and_tokenizer):
     stats(p, 1, 1)  # fills the cache with this prompt's blocks
     assert stats(p, 2, 1) > 0  # a later request reuses them
     assert stats(prompt_ids(tok, "A new prompt. " * 12), 3, 4) > 0  # n samples share blocks
-    ray.get(w.sync_weights.remote(1 << 20, p[:20], 1e-3))
+    ray.get(w.sync_weights.remote(1, 1 << 20, p[:20], 1e-3))
     assert stats(p, 4, 1) == 0.0  # the sync dropped every cached block (stale KV)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from rl.batch import Sample, collate
 from rl.config import load_config
-from rl.placement import start_workers, stop_workers
+from rl.placement import Colocated
 from rl.models import build_tiny_model
 from update.losses import BatchCounts
 
@@ -16,13 +16,14 @@ def tied_workers(ray_session, tmp_path_factory):
                              "sync.bucket_mb=0.05"])
     path = str(build_tiny_model("tiny-llama-tied", seed=1,
                                 out_dir=tmp_path_factory.mktemp("m") / "tied"))
-    workers, pg = start_workers(cfg)
+    placement = Colocated(cfg)
+    workers = placement.trainers
     ray = ray_session
     ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
              for w in workers])
     ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
     yield ray, workers, cfg
-    stop_workers(workers, pg)
+    placement.stop()
 
 
 def max_diffs(ray, workers, probe):
@@ -49,7 +50,7 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
     ray.get([w.train.remote(b, BatchCounts(40.0, 8.0)) for w, b in zip(workers, batches)])
     assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update changed the policy
 
-    stats = ray.get([w.sync_weights.remote(int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
+    stats = ray.get([w.sync_weights.remote(1, int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
                      for w in workers])
     for s in stats:
         assert s["sync/logprob_max_abs_diff"] <= 1e-3
