@@ -68,6 +68,46 @@ class Role:
         self.sync_group = CollectiveGroup(host, port, rank, world_size, self.device, timeout_s)
 
 
+    # ------------------------------------------------------------------ physical limits
+    def measure_memcpy(self, nbytes: int, repeats: int = 3) -> float:
+        """Best seconds to copy nbytes between two warm buffers on this worker's cores/device:
+        the floor under an in-process (colocated) sync of that many bytes."""
+        import time
+
+        import torch
+
+        src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.zeros_like(src)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def measure_broadcast(self, nbytes: int, chunk_bytes: int, repeats: int = 3) -> float:
+        """Best seconds to broadcast nbytes in chunk_bytes pieces from sync-group rank 0 into warm
+        buffers, all pieces in flight at once: the link's floor under a disaggregated sync. Every
+        member of the sync group calls this together."""
+        import time
+
+        import torch
+
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)  # touched: warm
+        group = self.sync_group
+        group.broadcast(buf[:1]).wait()  # connections up before timing
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            works = [group.broadcast(buf[o:o + chunk_bytes]) for o in range(0, nbytes, chunk_bytes)]
+            for w in works:
+                w.wait()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
 class TrainerRole(Role):
     """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
 

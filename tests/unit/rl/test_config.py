@@ -22,6 +22,9 @@ def test_defaults_and_overrides():
     ("rollout", "override 'rollout' is not key=value"),
     ("rollout.n=3 rollout.prompts_per_step=5", "15 samples do not split evenly"),
     ("trainer.zero_stage=4", "trainer.zero_stage=4: use 1, 2 or 3"),
+    ("placement=split", "placement='split' is not known; use one of: colocated, disaggregated"),
+    ("placement=disaggregated ray.num_rollout_workers=0", "needs at least one rollout engine"),
+    ("sync.checksum=md5", "sync.checksum='md5' is not known; use one of: sum64, crc32"),
 ])
 def test_bad_config_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,126 @@
+"""Weight-sync speed in both placements, against the physical limits measured in the same run.
+
+    .venv/bin/python benchmarks/weight_sync.py [--model builtin:bench-100m] [--bucket-mb 32]
+                                               [--steps 20]
+
+1. Sync seconds of a ~100M-parameter model (fp32, ~400 MB), trainer (2 ZeRO-3 ranks) -> engines:
+   colocated:     each rank's in-process copy into its vLLM engine; the limit is
+                  bytes / memcpy bandwidth measured in a worker;
+   disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU); the limit is
+                  bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
+                  size over the same group.
+   Printed as sync / limit (target <= 2x). Syncs are timed without the probe check.
+2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
+   mean over --steps steps after the first (warm-up cached after the first run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def sync_seconds(placement, version: int, probe: list[int]) -> float:
+    return placement.sync(version, probe)["sync/seconds"]
+
+
+def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
+    import ray
+
+    from rl.config import load_config
+    from rl.placement import start_placement
+
+    cfg = load_config(None, [f"placement={kind}", f"model.path={model}", f"sync.bucket_mb={bucket_mb}",
+                             "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
+                             "rollout.max_model_len=256", "sync.tolerance=1e-2"])
+    from rl.models import resolve_model_path
+
+    path = resolve_model_path(model)
+    placement = start_placement(cfg)
+    try:
+        ray.get([t.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
+                 for t in placement.trainers])
+        placement.init_rollout(path, 0)
+        probe = list(range(3, 40))
+        first = placement.sync(1, probe)  # also warms the path up
+        times = [sync_seconds(placement, v, probe) for v in range(2, 2 + repeats)]
+        nbytes = int(first["sync/bytes"])
+        if kind == "colocated":
+            limit = ray.get(placement.trainers[0].measure_memcpy.remote(nbytes))
+            what = "memcpy"
+        else:
+            chunk = int(bucket_mb * 2**20)
+            limit = max(ray.get([a.measure_broadcast.remote(nbytes, chunk)
+                                 for a in [placement.trainers[0]] + placement.engines]))
+            what = "gloo broadcast" if cfg.ray.num_gpus_per_worker == 0 else "nccl broadcast"
+        best = min(times)
+        return {"placement": kind, "bytes": nbytes, "buckets": int(first["sync/num_buckets"]),
+                "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
+                "limit": what, "GBps_limit": nbytes / limit / 1e9, "ratio": best / limit,
+                "probe_diff": first["sync/logprob_max_abs_diff"]}
+    finally:
+        placement.stop()
+
+
+def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
+    from rl.config import load_config
+    from rl.controller import Controller
+
+    cfg = load_config(str(ROOT / "recipes" / "quickstart.yaml"), [
+        f"placement={kind}", f"trainer.total_steps={steps + 1}", f"run.output_dir={out_dir}",
+        f"run.name=bench-{kind}", "ray.num_cpus_per_worker=0.5",
+        "ray.num_cpus_per_rollout_worker=0.5"])
+    run_dir = Controller(cfg).run()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    keys = ["time/rollout", "time/reward", "time/update", "time/sync", "time/step"]
+    return {"placement": kind, **{k: statistics.mean(m[k] for m in lines) for k in keys}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:bench-100m")
+    p.add_argument("--bucket-mb", type=float, default=32.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="quickstart steps per placement (0: skip)")
+    p.add_argument("--out", default="/tmp/rlstack-bench")
+    args = p.parse_args()
+    import ray
+
+    from rl.config import load_config
+    from rl.placement import start_ray
+
+    start_ray(load_config(None, ["placement=disaggregated", "ray.num_cpus_per_worker=0.5",
+                                 "ray.num_cpus_per_rollout_worker=0.5"]))
+    rows = []
+    for kind in ("colocated", "disaggregated"):
+        t0 = time.perf_counter()
+        rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats))
+        print(f"[{kind}] measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\nweight sync, {args.model}, {rows[0]['bytes'] / 2**20:.0f} MiB, buckets of "
+          f"{args.bucket_mb:g} MiB (best of {args.repeats}; target sync / limit <= 2)")
+    print(f"{'placement':<14}{'sync s':>9}{'median':>9}{'limit s':>9}  {'limit':<16}{'GB/s':>6}"
+          f"{'sync/limit':>12}{'probe Δ':>10}")
+    for r in rows:
+        print(f"{r['placement']:<14}{r['sync_s']:>9.3f}{r['sync_s_median']:>9.3f}"
+              f"{r['limit_s']:>9.3f}  {r['limit']:<16}{r['GBps_limit']:>6.2f}{r['ratio']:>12.2f}"
+              f"{r['probe_diff']:>10.1e}")
+    if args.steps:
+        steps = [bench_steps(kind, args.steps, args.out) for kind in ("colocated", "disaggregated")]
+        print(f"\nquickstart step time breakdown, mean of {args.steps} steps after the first (s)")
+        keys = ["time/rollout", "time/reward", "time/update", "time/sync", "time/step"]
+        print(f"{'placement':<14}" + "".join(f"{k.split('/')[1]:>10}" for k in keys))
+        for r in steps:
+            print(f"{r['placement']:<14}" + "".join(f"{r[k]:>10.3f}" for k in keys))
+        print(f"{'disagg/coloc':<14}" + "".join(f"{steps[1][k] / steps[0][k]:>10.2f}"
+                                                 for k in keys))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    main()
