@@ -38,7 +38,7 @@ PRESETS = {
     "tiny-qwen2": Preset("qwen2", 128, 2, 4, 2, 384, tie_word_embeddings=False),
     "tiny-llama-tied": Preset("llama", 128, 2, 4, 2, 384, tie_word_embeddings=True),
     "small-qwen2": Preset("qwen2", 256, 4, 8, 4, 768, tie_word_embeddings=False),
-    # ~100M parameters (400 MB in fp32): the size benchmarks/weight_sync.py moves; head_dim 64
+    # ~100M parameters (400 MB in fp32): the size benchmarks/sync_speed.py moves; head_dim 64
     "bench-100m": Preset("qwen2", 768, 16, 12, 4, 2048, tie_word_embeddings=False),
 }
 

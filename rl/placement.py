@@ -178,9 +178,10 @@ class Disaggregated(Placement):
         return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
-                "sync/send_seconds": sent["sync/send_seconds"],
-                "sync/receive_seconds": max(r["sync/receive_seconds"] for r in received),
-                "sync/logprob_max_abs_diff": diff}
+                "sync/logprob_max_abs_diff": diff,
+                **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
+                **{k: max(r[k] for r in received) for k in received[0]
+                   if k.startswith("sync/receive_")}}
 
 
 PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}

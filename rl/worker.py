@@ -32,6 +32,11 @@ def free_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def phase_seconds(stats, prefix: str = "") -> dict:
+    """sync/<prefix><phase>_seconds for each timed phase of a transfer (gather, wire, load...)."""
+    return {f"sync/{prefix}{phase}_seconds": s for phase, s in stats.seconds.items()}
+
+
 class Role:
     """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
 
@@ -153,6 +158,21 @@ class TrainerRole(Role):
         """The trainer's logprobs of a probe (a collective under ZeRO-3: every rank calls)."""
         return self.trainer.sequence_logprobs(token_ids)
 
+    def measure_gather(self, bucket_bytes: int, repeats: int = 3) -> float:
+        """Best seconds to gather every parameter from ZeRO-3, bucket by bucket, with no
+        consumer: the trainer's own floor under any sync (every rank calls this together)."""
+        import time
+
+        from weight_sync.buckets import iter_full_weights
+
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in iter_full_weights(self.trainer.module, bucket_bytes, False):
+                pass
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     def send_weights(self, version: int, bucket_bytes: int, checksum: str,
                      corrupt_bucket: int | None = None) -> dict:
         """Disaggregated sync, sending side: every rank gathers, rank 0 broadcasts."""
@@ -165,7 +185,8 @@ class TrainerRole(Role):
             self.trainer.module, version, corrupt_bucket)
         return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets,
-                "sync/max_bucket_bytes": stats.max_bucket_bytes}
+                "sync/max_bucket_bytes": stats.max_bucket_bytes,
+                **phase_seconds(stats, "send_")}
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         self.trainer.save_checkpoint(directory, tag)
@@ -186,6 +207,24 @@ class RolloutRole(Role):
 
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version = version
+
+    def measure_reload(self, model_path: str, repeats: int = 3) -> float:
+        """Best seconds for the engine to load a checkpoint's tensors already in memory: the
+        engine's own floor under any sync. Leaves the engine stale (it holds that checkpoint)."""
+        import time
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        weights = [item for f in sorted(Path(model_path).glob("*.safetensors"))
+                   for item in load_file(f).items()]
+        self.policy_version = None
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.engine.load_weights(weights)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def check_version(self, expected: int | None) -> None:
         if expected is not None and self.policy_version != expected:
@@ -216,7 +255,8 @@ class RolloutRole(Role):
         self.policy_version = None  # until the whole version has arrived and checked out
         stats = BroadcastTransport(self.sync_group, 0).receive(self.engine.load_weights, version)
         self.policy_version = version
-        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes}
+        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
+                **phase_seconds(stats, "receive_")}
 
     def score_tokens(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token after the first (no sampling)."""
@@ -253,7 +293,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         self.policy_version = version
         return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/logprob_max_abs_diff": diff}
+                "sync/logprob_max_abs_diff": diff, **phase_seconds(stats)}
 
     def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
         """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""

@@ -1,6 +1,6 @@
 """Weight-sync speed in both placements, against the physical limits measured in the same run.
 
-    .venv/bin/python benchmarks/weight_sync.py [--model builtin:bench-100m] [--bucket-mb 32]
+    .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 32]
                                                [--steps 20]
 
 1. Sync seconds of a ~100M-parameter model (fp32, ~400 MB), trainer (2 ZeRO-3 ranks) -> engines:
@@ -9,7 +9,10 @@
    disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU); the limit is
                   bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
                   size over the same group.
-   Printed as sync / limit (target <= 2x). Syncs are timed without the probe check.
+   Printed as sync / limit (target <= 2x). Syncs are timed without the probe check. Beside them,
+   the two ends' own floors: a bare ZeRO-3 gather (no consumer) and a bare vLLM reload of the
+   same tensors from memory (on CPU vLLM re-packs linear weights for oneDNN), and the sync's own
+   phase breakdown (gather, checksum, wire, load).
 2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
    mean over --steps steps after the first (warm-up cached after the first run).
 """
@@ -25,8 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
-def sync_seconds(placement, version: int, probe: list[int]) -> float:
-    return placement.sync(version, probe)["sync/seconds"]
+def phases(metrics: dict) -> str:
+    """The sync's own breakdown (gather, checksum, wire, load), as 'name 0.12s' pairs."""
+    return "  ".join(f"{k.removeprefix('sync/').removesuffix('_seconds')} {v:.3f}s"
+                     for k, v in metrics.items() if k.endswith("_seconds") and k != "sync/seconds")
 
 
 def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
@@ -48,7 +53,8 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
         placement.init_rollout(path, 0)
         probe = list(range(3, 40))
         first = placement.sync(1, probe)  # also warms the path up
-        times = [sync_seconds(placement, v, probe) for v in range(2, 2 + repeats)]
+        runs = [placement.sync(v, probe) for v in range(2, 2 + repeats)]
+        times = [m["sync/seconds"] for m in runs]
         nbytes = int(first["sync/bytes"])
         if kind == "colocated":
             limit = ray.get(placement.trainers[0].measure_memcpy.remote(nbytes))
@@ -58,11 +64,17 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
             limit = max(ray.get([a.measure_broadcast.remote(nbytes, chunk)
                                  for a in [placement.trainers[0]] + placement.engines]))
             what = "gloo broadcast" if cfg.ray.num_gpus_per_worker == 0 else "nccl broadcast"
+        # the two ends' own floors: a bare ZeRO-3 gather, a bare engine reload from memory
+        gather = max(ray.get([t.measure_gather.remote(int(bucket_mb * 2**20))
+                              for t in placement.trainers]))
+        reload = max(ray.get([e.measure_reload.remote(path) for e in placement.engines]))
         best = min(times)
         return {"placement": kind, "bytes": nbytes, "buckets": int(first["sync/num_buckets"]),
                 "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
                 "limit": what, "GBps_limit": nbytes / limit / 1e9, "ratio": best / limit,
-                "probe_diff": first["sync/logprob_max_abs_diff"]}
+                "probe_diff": first["sync/logprob_max_abs_diff"], "gather_s": gather,
+                "reload_s": reload,
+                "phases": phases(min(runs, key=lambda m: m["sync/seconds"]))}
     finally:
         placement.stop()
 
@@ -109,6 +121,14 @@ def main() -> None:
         print(f"{r['placement']:<14}{r['sync_s']:>9.3f}{r['sync_s_median']:>9.3f}"
               f"{r['limit_s']:>9.3f}  {r['limit']:<16}{r['GBps_limit']:>6.2f}{r['ratio']:>12.2f}"
               f"{r['probe_diff']:>10.1e}")
+    print(f"\nthe ends' own floors, measured beside: a bare ZeRO-3 gather of every parameter, a bare "
+          f"vLLM reload of the same bytes from memory")
+    print(f"{'placement':<14}{'gather s':>10}{'reload s':>10}{'sync/(gather+reload)':>22}")
+    for r in rows:
+        print(f"{r['placement']:<14}{r['gather_s']:>10.3f}{r['reload_s']:>10.3f}"
+              f"{r['sync_s'] / (r['gather_s'] + r['reload_s']):>22.2f}")
+    for r in rows:
+        print(f"  {r['placement']} phases (best sync): {r['phases']}")
     if args.steps:
         steps = [bench_steps(kind, args.steps, args.out) for kind in ("colocated", "disaggregated")]
         print(f"\nquickstart step time breakdown, mean of {args.steps} steps after the first (s)")
