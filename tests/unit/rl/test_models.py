@@ -23,7 +23,7 @@ def test_build_is_deterministic_and_loadable(tmp_path):
 
 
 def test_unknown_preset_and_bad_directory(tmp_path):
-    with pytest.raises(ValueError, match="known: builtin:small-qwen2"):
+    with pytest.raises(ValueError, match="known: builtin:bench-100m, builtin:small-qwen2"):
         resolve_model_path("builtin:huge")
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
         resolve_model_path(str(tmp_path))
