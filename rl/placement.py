@@ -167,7 +167,8 @@ class Disaggregated(Placement):
         sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum, corrupt_bucket)
                  for t in self.trainers]
         receives = [e.receive_weights.remote(version) for e in self.engines]
-        ray.wait(sends + receives, num_returns=len(sends) + len(receives))  # all done or failed
+        # a failed sender fails the sync now (its receivers then time out, and the run stops);
+        # a receiver that finds a bad bucket still drains every bucket, so senders finish
         sent = ray.get(sends)[0]
         received = ray.get(receives)  # raises the first engine's WeightSyncError
         seconds = time.perf_counter() - t0

@@ -6,6 +6,7 @@ whole process, so callers set threads before building the engine.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -21,6 +22,16 @@ class Completion:
     logprobs: list[float]  # logprob of each sampled token under the engine's weights
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" on every in-place reload: the
+    rotary cache is no checkpoint weight, and vLLM puts the kept one back. A real layer that
+    misses its weights still warns (and fails the post-sync probe check)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights"
+                    and record.args == ("RotaryEmbedding",))
 
 
 class VLLMEngine:
@@ -46,6 +57,8 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.cfg = cfg
         self.llm = LLM(**kwargs)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _RotaryReloadFilter())
         self._last_counters = self._counters()
 
     @property
