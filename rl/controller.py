@@ -99,7 +99,8 @@ class Controller:
 
         n = self.cfg.rollout.n
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
-        parts = chunk(list(enumerate(rows)), len(self.engines))
+        # empty chunks come last: with more engines than prompts the last engines sit out
+        parts = [p for p in chunk(list(enumerate(rows)), len(self.engines)) if p]
         futures = [e.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
                                      [base + g * n for g, _ in part],
                                      [self.prompts.constraints[r] for _, r in part],
