@@ -91,6 +91,68 @@ def _gathered(params: list[torch.nn.Parameter]):
     return nullcontext()
 
 
+def _shards_to_rank0(params: list[torch.nn.Parameter]) -> bool:
+    """True when the bucket's parameters are ZeRO-3 shards over the whole trainer world, on the
+    compute device, in one dtype: then rank 0 can gather them itself (`ShardGather`).
+    Every rank answers alike (it reads the same metadata); otherwise DeepSpeed gathers."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or not params:
+        return False
+    world = dist.get_world_size()
+    first = params[0]
+    return all(getattr(p, "ds_tensor", None) is not None
+               and p.ds_tensor.numel() * world == getattr(p, "ds_numel_aligned", -1)
+               and p.ds_tensor.device == first.ds_tensor.device and p.dtype == first.dtype
+               for p in params)
+
+
+class ShardGather:
+    """Gathers ZeRO-3 shards to trainer rank 0 only, straight into its places in the send buffer.
+
+    `deepspeed.zero.GatheredParameters` all-gathers whole parameters onto every rank; the
+    broadcast needs them on rank 0 alone. Here the other ranks only send their shard (DeepSpeed
+    keeps rank r's shard of a parameter as elements [r * s, (r + 1) * s) of the flattened
+    parameter, padded at the end), and rank 0 writes each element once, into the buffer that
+    goes on the wire. Scratch space is kept across buckets (grown when a bucket needs more)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.local = self.recv = None
+
+    def _scratch(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        if self.local is None or self.local.numel() < n or self.local.dtype != like.dtype:
+            self.local = torch.empty(n, dtype=like.dtype, device=like.device)
+            self.recv = (torch.empty(self.world * n, dtype=like.dtype, device=like.device)
+                         if self.rank == 0 else None)
+        return self.local[:n]
+
+    def gather(self, params: list[torch.nn.Parameter], buffer: torch.Tensor | None,
+               bucket) -> None:
+        """Every trainer rank calls this for the same bucket; rank 0's `buffer` gets it."""
+        import torch.distributed as dist
+
+        n = sum(p.ds_tensor.numel() for p in params)
+        local = self._scratch(n, params[0].ds_tensor)
+        torch.cat([p.ds_tensor.view(-1) for p in params], out=local)
+        if self.rank != 0:
+            dist.gather(local, None, dst=0)
+            return
+        shards = [self.recv[r * n:(r + 1) * n] for r in range(self.world)]
+        dist.gather(local, shards, dst=0)
+        offset = 0
+        for p, meta in zip(params, bucket.tensors, strict=True):
+            size, numel = p.ds_tensor.numel(), p.ds_numel
+            full = buffer[meta.offset:meta.offset + meta.nbytes].view(p.dtype)
+            for r, shard in enumerate(shards):
+                count = min(size, numel - r * size)
+                if count > 0:
+                    full[r * size:r * size + count].copy_(shard[offset:offset + count])
+            offset += size
+
+
 class BroadcastTransport(WeightTransport):
     """Disaggregated: trainer rank 0 (group rank 0) broadcasts to every engine in `group`.
     Trainer ranks without a group only take part in the ZeRO-3 gathers."""
@@ -117,14 +179,21 @@ class BroadcastTransport(WeightTransport):
             # memory for every bucket paid a page fault per 4 KiB, ~0.2 s per 400 MB here)
             size = max(b.nbytes for b in layout.buckets) + TRAILER
             pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        shard_gather = None
         for index, bucket in enumerate(layout.buckets):
             bucket_params = [by_name[m.name] for m in bucket.tensors]
             t0 = time.perf_counter()
-            with _gathered(bucket_params):
+            buffer = None if group is None else pool[index % 2][:bucket.nbytes + TRAILER]
+            if _shards_to_rank0(bucket_params):
+                shard_gather = shard_gather or ShardGather()
+                shard_gather.gather(bucket_params, buffer, bucket)
                 if group is None:
                     continue
-                buffer = pool[index % 2][:bucket.nbytes + TRAILER]
-                flatten_into(buffer, bucket, [p.data for p in bucket_params])
+            else:
+                with _gathered(bucket_params):
+                    if group is None:
+                        continue
+                    flatten_into(buffer, bucket, [p.data for p in bucket_params])
             t1 = time.perf_counter()
             write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
             if index == corrupt_bucket:
