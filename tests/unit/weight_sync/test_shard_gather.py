@@ -1,0 +1,74 @@
+"""ShardGather on a real 2-process gloo world: ZeRO-3-style shards (padded at the end, as
+DeepSpeed lays them out) come back whole on rank 0, in their places in the flat bucket; sizes
+that do not divide by the world size exercise the padding."""
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from weight_sync.layout import new_buffer, plan_layout, unflatten
+from weight_sync.transport import ShardGather, _shards_to_rank0
+
+SHAPES = [(3, 5), (7,), (4, 4), (1,)]  # 15, 7, 16, 1 elements: odd sizes leave padding
+
+
+def full_tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=gen) for s in SHAPES]
+
+
+def shard(full: torch.Tensor, rank: int, world: int) -> torch.nn.Parameter:
+    """A parameter as ZeRO-3 leaves it: empty data, rank's slice of the padded flat tensor."""
+    size = -(-full.numel() // world)
+    padded = torch.zeros(size * world)
+    padded[:full.numel()] = full.view(-1)
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_tensor = padded[rank * size:(rank + 1) * size].clone()
+    p.ds_numel, p.ds_numel_aligned, p.ds_shape = full.numel(), size * world, full.shape
+    return p
+
+
+def run(rank: int, world: int, port: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        fulls = full_tensors()
+        params = [shard(f, rank, world) for f in fulls]
+        assert _shards_to_rank0(params), "ZeRO-3 shards over the whole world must qualify"
+        layout = plan_layout([(f"p{i}", list(f.shape), f.dtype) for i, f in enumerate(fulls)],
+                             bucket_bytes=80, version=1, checksum="sum64")
+        gather = ShardGather()
+        index = 0
+        for bucket in layout.buckets:
+            ps = params[index:index + len(bucket.tensors)]
+            index += len(bucket.tensors)
+            buffer = new_buffer(bucket, "cpu") if rank == 0 else None
+            gather.gather(ps, buffer, bucket)
+            if rank == 0:
+                for name, t in unflatten(buffer, bucket):
+                    out[name] = t.clone()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shards_come_back_whole_on_rank_0():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=run, args=(r, 2, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        got = dict(out)
+    for i, full in enumerate(full_tensors()):
+        assert torch.equal(got[f"p{i}"], full), i
+
+
+def test_parameters_that_are_not_shards_fall_back_to_deepspeed():
+    assert not _shards_to_rank0([torch.nn.Parameter(torch.zeros(3))])
