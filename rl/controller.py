@@ -56,6 +56,16 @@ class Controller:
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
 
+    @property
+    def trainers(self) -> list:
+        """The trainer ranks' actors, in rank order."""
+        return self.placement.trainers
+
+    @property
+    def engines(self) -> list:
+        """The rollout engines' actors (the same actors as `trainers` when colocated)."""
+        return self.placement.engines
+
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         import ray
@@ -76,7 +86,6 @@ class Controller:
         start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.placement = start_placement(cfg)
-        self.trainers, self.engines = self.placement.trainers, self.placement.engines
         if cfg.warmup.sft_steps > 0:
             model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer, cfg)
         self.model_path = model_path

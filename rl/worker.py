@@ -20,18 +20,6 @@ def cpu_binding(rank: int, world_size: int, num_cpus: int) -> str:
     return f"{first}-{first + per_rank - 1}"
 
 
-def free_address() -> tuple[str, int]:
-    """(this node's IP, a free port), for a process group's rendezvous."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
 def phase_seconds(stats, prefix: str = "") -> dict:
     """sync/<prefix><phase>_seconds for each timed phase of a transfer (gather, wire, load...)."""
     return {f"sync/{prefix}{phase}_seconds": s for phase, s in stats.seconds.items()}
@@ -63,7 +51,15 @@ class Role:
         self.sync_group = None
 
     def free_address(self) -> tuple[str, int]:
-        return free_address()
+        """(this node's IP, a free port), for a process group's rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
 
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int,
                         timeout_s: float) -> None:
@@ -168,7 +164,7 @@ class TrainerRole(Role):
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for _ in iter_full_weights(self.trainer.module, bucket_bytes, False):
+            for _ in iter_full_weights(self.trainer.module, bucket_bytes, {}):
                 pass
             best = min(best, time.perf_counter() - t0)
         return best

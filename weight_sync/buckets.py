@@ -2,11 +2,12 @@
 
 The sending side of every sync: an iterator of (HF name, full tensor). Under ZeRO-3 each bucket
 is gathered with `deepspeed.zero.GatheredParameters` (a collective: every rank iterates the same
-plan in the same order) and copied out, so at most one bucket of full weights exists at a time.
+plan in the same order) and handed out, so at most one bucket of full weights exists at a time.
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -45,12 +46,29 @@ class SyncStats:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
 
-def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, tied_lm_head: bool,
-                      stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) for every parameter, gathering one bucket at a time.
+def gathered(params: list[torch.nn.Parameter]):
+    """A context in which ZeRO-3 parameters are whole on every rank (a collective: every rank
+    enters it with the same list); nothing to do for unsharded parameters."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
 
-    With tied embeddings the head is not a separate parameter, yet vLLM keeps its own copy:
-    `lm_head.weight` is sent explicitly, or the engine silently keeps the old head.
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return nullcontext()
+
+
+def tied_head_alias(module: torch.nn.Module) -> dict[str, str]:
+    """{"lm_head.weight": <embedding name>} for tied embeddings: the head is no separate
+    parameter, yet vLLM keeps its own copy, which must be sent or it silently keeps the old one."""
+    if not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        return {}
+    names = [n for n, _ in module.named_parameters() if n.endswith("embed_tokens.weight")]
+    return {"lm_head.weight": names[0]} if names else {}
+
+
+def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, aliases: dict[str, str],
+                      stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) for every parameter, gathering one bucket at a time, and each
+    alias (extra name -> parameter name, see `tied_head_alias`) right after its parameter.
 
     The tensors are the gathered parameters themselves, not copies (a copy of a 400 MB model
     into fresh memory cost ~0.2 s here): the consumer copies what it keeps and never writes into
@@ -59,16 +77,8 @@ def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, tied_lm_head: 
     """
     stats = stats if stats is not None else SyncStats()
     for bucket in plan_buckets(list(module.named_parameters()), bucket_bytes):
-        params = [p for _, p in bucket]
-        sharded = any(hasattr(p, "ds_id") for p in params)
-        if sharded:
-            import deepspeed
-
-            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        else:
-            ctx = torch.no_grad()
         t0 = time.perf_counter()
-        with ctx:
+        with gathered([p for _, p in bucket]):
             out = [(name, p.data.detach()) for name, p in bucket]
         stats.add_time("gather", time.perf_counter() - t0)
         nbytes = sum(t.numel() * t.element_size() for _, t in out)
@@ -79,6 +89,7 @@ def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, tied_lm_head: 
             stats.bytes += tensor.numel() * tensor.element_size()
             stats.names.append(name)
             yield name, tensor
-            if tied_lm_head and name.endswith("embed_tokens.weight"):
-                stats.names.append("lm_head.weight")
-                yield "lm_head.weight", tensor
+            for alias, source in aliases.items():
+                if source == name:
+                    stats.names.append(alias)
+                    yield alias, tensor

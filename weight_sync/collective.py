@@ -32,10 +32,6 @@ class CollectiveGroup:
 
             self._pg = ProcessGroupGloo(store, rank, world_size, timeout)
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
-
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Start broadcasting `tensor` from rank src (in place on the others); returns a work
         handle whose wait() finishes it. Calls are matched across ranks by their order."""

@@ -52,10 +52,6 @@ class SyncLayout:
     buckets: list[BucketMeta]
     aliases: dict[str, str] = field(default_factory=dict)  # extra name -> sent name (tied heads)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 

@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
 import time
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from weight_sync.buckets import SyncStats, iter_full_weights
+from weight_sync.buckets import SyncStats, gathered, iter_full_weights, tied_head_alias
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
 from weight_sync.layout import (TRAILER, SyncLayout, as_int64, flatten_into, new_buffer,
@@ -31,15 +30,6 @@ LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 class WeightSyncError(RuntimeError):
     """A sync did not deliver the policy version it was asked for (corrupted bucket, version
     mismatch); the engine is marked stale and must not generate until a good sync."""
-
-
-def tied_head_alias(module: torch.nn.Module) -> dict[str, str]:
-    """{"lm_head.weight": <embedding name>} for tied embeddings: the head is no separate
-    parameter, yet vLLM keeps its own copy, which must be sent or it silently keeps the old one."""
-    if not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
-        return {}
-    names = [n for n, _ in module.named_parameters() if n.endswith("embed_tokens.weight")]
-    return {"lm_head.weight": names[0]} if names else {}
 
 
 class WeightTransport(ABC):
@@ -62,7 +52,7 @@ class LocalTransport(WeightTransport):
 
     def send(self, module: torch.nn.Module, version: int) -> SyncStats:
         stats = SyncStats()
-        weights = iter_full_weights(module, self.bucket_bytes, bool(tied_head_alias(module)), stats)
+        weights = iter_full_weights(module, self.bucket_bytes, tied_head_alias(module), stats)
         self._pending = (version, weights, stats)
         return stats  # filled in while receive() consumes the iterator
 
@@ -81,14 +71,6 @@ class LocalTransport(WeightTransport):
 
 def _full_shape(p: torch.nn.Parameter) -> list[int]:
     return list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)  # ZeRO-3 keeps it here
-
-
-def _gathered(params: list[torch.nn.Parameter]):
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return nullcontext()
 
 
 def _shards_to_rank0(params: list[torch.nn.Parameter]) -> bool:
@@ -190,7 +172,7 @@ class BroadcastTransport(WeightTransport):
                 if group is None:
                     continue
             else:
-                with _gathered(bucket_params):
+                with gathered(bucket_params):
                     if group is None:
                         continue
                     flatten_into(buffer, bucket, [p.data for p in bucket_params])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from weight_sync.collective import CollectiveGroup
-from weight_sync.transport import (BroadcastTransport, LocalTransport, WeightSyncError,
-                                   tied_head_alias)
+from weight_sync.buckets import tied_head_alias
+from weight_sync.transport import BroadcastTransport, LocalTransport, WeightSyncError
 
 
 class Config:
