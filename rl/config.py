@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from rollout.config import RolloutConfig
+from rollout.config import CPU_LINEAR, RolloutConfig
 from update.config import LossConfig, TrainerConfig
 from weight_sync.checksums import CHECKSUMS
 
@@ -122,8 +122,9 @@ class RewardConfig:
 
 @dataclass
 class SyncConfig:
-    bucket_mb: float = 32.0
-    "Largest bucket of gathered weights in MiB (bounds the extra memory of a sync)."
+    bucket_mb: float = 128.0
+    ("Largest bucket of weights in MiB; a sync holds two. Fewer buckets, fewer lockstep points: "
+     "bench-100m colocated sync was 2.4x memcpy with 32, 1.8x with 128 (benchmarks/sync_speed.py).")
     tolerance: float = 1e-3
     "Largest allowed |trainer - engine| probe logprob after a sync (1e-3 fits fp32 on both sides)."
     checksum: str = "sum64"
@@ -248,6 +249,9 @@ def validate(cfg: Config) -> None:
     if cfg.sync.checksum not in CHECKSUMS:
         raise ConfigError(f"sync.checksum={cfg.sync.checksum!r} is not known; use one of: "
                           f"{', '.join(CHECKSUMS)}")
+    if cfg.rollout.cpu_linear not in CPU_LINEAR:
+        raise ConfigError(f"rollout.cpu_linear={cfg.rollout.cpu_linear!r} is not known; use one "
+                          f"of: {', '.join(CPU_LINEAR)}")
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):

@@ -123,7 +123,9 @@ class Colocated(Placement):
 
         results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe,
                                                   self.cfg.sync.tolerance) for w in self.trainers])
-        return {k: max(r[k] for r in results) for k in results[0]}
+        # the slowest rank's times; direct_load is 1 only if every engine placed directly
+        return {k: (min if k == "sync/direct_load" else max)(r[k] for r in results)
+                for k in results[0]}
 
 
 class Disaggregated(Placement):
@@ -180,6 +182,7 @@ class Disaggregated(Placement):
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
                 "sync/logprob_max_abs_diff": diff,
+                "sync/direct_load": min(r["sync/direct_load"] for r in received),
                 **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
                 **{k: max(r[k] for r in received) for k in received[0]
                    if k.startswith("sync/receive_")}}

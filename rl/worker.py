@@ -113,6 +113,9 @@ class TrainerRole(Role):
     """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
 
     trainer = critic = None
+    # the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets), made on the
+    # first sync; False when the ranks span several machines or train on GPUs
+    shared_slots = None
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from update.trainer import init_distributed
@@ -177,8 +180,9 @@ class TrainerRole(Role):
         from weight_sync.transport import BroadcastTransport
 
         t0 = time.perf_counter()
-        stats = BroadcastTransport(self.sync_group, bucket_bytes, checksum).send(
-            self.trainer.module, version, corrupt_bucket)
+        transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots)
+        stats = transport.send(self.trainer.module, version, corrupt_bucket)
+        self.shared_slots = transport.shared
         return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets,
                 "sync/max_bucket_bytes": stats.max_bucket_bytes,
@@ -196,6 +200,7 @@ class RolloutRole(Role):
 
     engine = None
     policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
+    direct_load = False  # syncs copy into the engine's parameters (else vLLM's reload)
 
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
                      version: int = 0) -> None:
@@ -203,6 +208,27 @@ class RolloutRole(Role):
 
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version = version
+        self._place_weights_directly()
+
+    def _place_weights_directly(self) -> None:
+        """Syncs copy each tensor into the engine's parameter when the engine keeps its weights
+        as loaded and the model's names are known (`weight_sync.direct`); else vLLM reloads."""
+        import logging
+
+        from weight_sync.direct import DirectLoad
+        from weight_sync.resharding import TPSpec
+
+        config = self.engine.hf_config
+        if self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
+            spec = TPSpec.from_hf_config(config, tp_size=1)
+            self.engine.set_weight_placer(DirectLoad(self.engine.parameters(), spec))
+            self.direct_load = True
+        else:
+            logging.getLogger(__name__).warning(
+                "engine %d: weight syncs go through vLLM's reload (model_type %r, weights in "
+                "place: %s); rollout.cpu_linear=plain with a Qwen2/Llama model copies them "
+                "directly, ~4x faster", self.rank, config.model_type,
+                self.engine.weights_in_place())
 
     def measure_reload(self, model_path: str, repeats: int = 3) -> float:
         """Best seconds for the engine to load a checkpoint's tensors already in memory: the
@@ -249,10 +275,11 @@ class RolloutRole(Role):
 
         t0 = time.perf_counter()
         self.policy_version = None  # until the whole version has arrived and checked out
-        stats = BroadcastTransport(self.sync_group, 0).receive(self.engine.load_weights, version)
+        stats = BroadcastTransport(self.sync_group, 0).receive(
+            self.engine.load_weights, version, keeps_views=not self.direct_load)
         self.policy_version = version
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
-                **phase_seconds(stats, "receive_")}
+                "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
 
     def score_tokens(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token after the first (no sampling)."""
@@ -280,16 +307,18 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
         t0 = time.perf_counter()
         self.policy_version = None
-        transport = LocalTransport(bucket_bytes)
+        transport = LocalTransport(bucket_bytes, self.shared_slots, keeps_views=not self.direct_load)
         transport.send(self.trainer.module, version)
         stats = transport.receive(self.engine.load_weights, version)
+        self.shared_slots = transport.shared
         seconds = time.perf_counter() - t0
         diff = check_logprobs(self.trainer.sequence_logprobs(probe),
                               self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
         self.policy_version = version
         return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/logprob_max_abs_diff": diff, **phase_seconds(stats)}
+                "sync/logprob_max_abs_diff": diff, "sync/direct_load": float(self.direct_load),
+                **phase_seconds(stats)}
 
     def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
         """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""

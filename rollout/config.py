@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+CPU_LINEAR = ("auto", "plain", "packed")
+
 
 @dataclass
 class RolloutConfig:
@@ -35,6 +37,10 @@ class RolloutConfig:
     "Reuse KV blocks of shared prompt prefixes (reset after every weight sync)."
     block_size: int = 32
     "KV block size in tokens; the CPU default (128) caches only full 128-token blocks."
+    cpu_linear: str = "auto"
+    ("CPU linears: plain (weights kept as loaded: syncs copy into them, ~4x faster), packed "
+     "(vLLM's oneDNN packing: ~20% faster bf16 generation here, syncs via vLLM's reload), or auto "
+     "(plain for float32, where both generated at the same speed; packed otherwise).")
     kv_cache_gib: int = 1
     "KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."
     gpu_memory_utilization: float = 0.5
@@ -55,6 +61,11 @@ class RolloutConfig:
     "Row field with a regex that the sample's output must match."
     choices_key: str = "choices"
     "Row field with a list of strings, one of which the output must be."
+
+    def keeps_cpu_linear_weights(self) -> bool:
+        """Whether a CPU engine runs plain linears on its loaded weights (see cpu_linear)."""
+        return self.cpu_linear == "plain" or (self.cpu_linear == "auto"
+                                              and self.dtype == "float32")
 
     def speculative_config(self) -> dict | None:
         """vLLM's speculative_config for the chosen method."""

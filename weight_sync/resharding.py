@@ -112,6 +112,11 @@ def _rule(name: str) -> tuple[str, re.Match]:
                      f"(tp_size=1)")
 
 
+def is_vocab(name: str) -> bool:
+    """An embedding or LM head, whose rows vLLM pads to a multiple of `VOCAB_PADDING`."""
+    return bool(_RULES["vocab"].search(name))
+
+
 def _expect(name: str, got: int, want: int) -> None:
     if got != want:
         raise ValueError(f"{name!r} has {got} rows, the TPSpec implies {want}; build the spec "

@@ -23,6 +23,7 @@ from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
 from weight_sync.layout import (TRAILER, SyncLayout, as_int64, flatten_into, new_buffer,
                                 plan_layout, read_trailer, unflatten, write_trailer)
+from weight_sync.node_buckets import NodeBuckets
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -44,15 +45,29 @@ class WeightTransport(ABC):
 
 class LocalTransport(WeightTransport):
     """Colocated: `send` prepares a lazy bucketed iterator, `receive` (same process) drains it
-    into the engine, so at most one bucket of gathered weights exists at a time."""
+    into the engine, so at most one bucket of gathered weights exists at a time (two slots with
+    `shared`).
 
-    def __init__(self, bucket_bytes: int):
-        self.bucket_bytes = bucket_bytes
+    `shared`: trainer ranks on one CPU machine assemble buckets in shared memory
+    (`NodeBuckets`; None: create them on first use; False: never, DeepSpeed gathers). Its
+    tensors are views, valid until the next bucket: a loader that keeps views (vLLM's reload)
+    needs `keeps_views=True`, which hands out copies.
+    """
+
+    def __init__(self, bucket_bytes: int, shared: NodeBuckets | None | bool = None,
+                 keeps_views: bool = False):
+        self.bucket_bytes, self.shared, self.keeps_views = bucket_bytes, shared, keeps_views
         self._pending: tuple[int, Iterator, SyncStats] | None = None
 
     def send(self, module: torch.nn.Module, version: int) -> SyncStats:
         stats = SyncStats()
-        weights = iter_full_weights(module, self.bucket_bytes, tied_head_alias(module), stats)
+        aliases = tied_head_alias(module)
+        layout = _plan(module, self.bucket_bytes, version, "none", aliases)
+        self.shared = _shared_slots(self.shared, module, layout)
+        if self.shared:
+            weights = _node_weights(module, layout, self.shared, stats, self.keeps_views)
+        else:
+            weights = iter_full_weights(module, self.bucket_bytes, aliases, stats)
         self._pending = (version, weights, stats)
         return stats  # filled in while receive() consumes the iterator
 
@@ -67,6 +82,49 @@ class LocalTransport(WeightTransport):
         load_weights(weights)
         stats.add_time("load", time.perf_counter() - t0 - stats.seconds.get("gather", 0.0))
         return stats
+
+
+def _plan(module: torch.nn.Module, bucket_bytes: int, version: int, checksum: str,
+          aliases: dict[str, str]) -> SyncLayout:
+    return plan_layout([(n, _full_shape(p), p.dtype) for n, p in module.named_parameters()],
+                       bucket_bytes, version, checksum, aliases)
+
+
+def _shared_slots(shared: NodeBuckets | None | bool, module: torch.nn.Module,
+                  layout: SyncLayout):
+    """Shared-memory slots for this layout on a CPU trainer, else False (collective)."""
+    if shared is False or not layout.buckets or not torch.distributed.is_initialized() \
+            or next(module.parameters()).device.type != "cpu":
+        return False
+    return NodeBuckets.reuse(shared, max(b.nbytes for b in layout.buckets) + TRAILER)
+
+
+def _with_aliases(pairs, aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in pairs:
+        yield name, tensor
+        for alias, source in aliases.items():
+            if source == name:
+                yield alias, tensor
+
+
+def _node_weights(module: torch.nn.Module, layout: SyncLayout, shared: NodeBuckets,
+                  stats: SyncStats, copy: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) bucket by bucket from shared memory; every trainer rank iterates
+    it to the end (each bucket ends in a barrier)."""
+    by_name = dict(module.named_parameters())
+    for index, bucket in enumerate(layout.buckets):
+        t0 = time.perf_counter()
+        slot = shared.write(index, bucket, [by_name[m.name] for m in bucket.tensors])
+        shared.publish()
+        stats.add_time("gather", time.perf_counter() - t0)
+        stats.num_buckets += 1
+        nbytes = sum(m.nbytes for m in bucket.tensors)
+        stats.bytes += nbytes
+        stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+        stats.num_tensors += len(bucket.tensors)
+        views = unflatten(slot, bucket)
+        yield from _with_aliases(((n, t.clone() if copy else t) for n, t in views),
+                                 layout.aliases)
 
 
 def _full_shape(p: torch.nn.Parameter) -> list[int]:
@@ -137,26 +195,29 @@ class ShardGather:
 
 class BroadcastTransport(WeightTransport):
     """Disaggregated: trainer rank 0 (group rank 0) broadcasts to every engine in `group`.
-    Trainer ranks without a group only take part in the ZeRO-3 gathers."""
+    Trainer ranks without a group only take part in assembling the buckets: in shared memory
+    when they share one CPU machine (`shared`, as in `LocalTransport`), else by gathering
+    shards to rank 0 (`ShardGather`) or with DeepSpeed."""
 
-    def __init__(self, group: CollectiveGroup | None, bucket_bytes: int, checksum: str = "sum64"):
+    def __init__(self, group: CollectiveGroup | None, bucket_bytes: int, checksum: str = "sum64",
+                 shared: NodeBuckets | None | bool = None):
         self.group, self.bucket_bytes, self.checksum = group, bucket_bytes, checksum
         self._checksum = get_checksum(checksum)
+        self.shared = shared
 
     def send(self, module: torch.nn.Module, version: int, corrupt_bucket: int | None = None
              ) -> SyncStats:
         """`corrupt_bucket` flips bytes of that bucket after its checksum is taken: a fault
         injection for tests of the receiver's check."""
-        params = list(module.named_parameters())
-        by_name = dict(params)
-        layout = plan_layout([(n, _full_shape(p), p.dtype) for n, p in params], self.bucket_bytes,
-                             version, self.checksum, tied_head_alias(module))
+        by_name = dict(module.named_parameters())
+        layout = _plan(module, self.bucket_bytes, version, self.checksum, tied_head_alias(module))
         group = self.group
         if group is not None:
             group.broadcast_bytes(layout.encode())
+        self.shared = _shared_slots(self.shared, module, layout)
         stats = SyncStats()
         in_flight = None
-        if group is not None and layout.buckets:
+        if group is not None and layout.buckets and not self.shared:
             # two buffers, reused: bucket k is filled while bucket k-1 is on the wire (fresh
             # memory for every bucket paid a page fault per 4 KiB, ~0.2 s per 400 MB here)
             size = max(b.nbytes for b in layout.buckets) + TRAILER
@@ -165,17 +226,29 @@ class BroadcastTransport(WeightTransport):
         for index, bucket in enumerate(layout.buckets):
             bucket_params = [by_name[m.name] for m in bucket.tensors]
             t0 = time.perf_counter()
-            buffer = None if group is None else pool[index % 2][:bucket.nbytes + TRAILER]
-            if _shards_to_rank0(bucket_params):
-                shard_gather = shard_gather or ShardGather()
-                shard_gather.gather(bucket_params, buffer, bucket)
+            if self.shared:
+                buffer = self.shared.write(index, bucket, bucket_params)
+                if in_flight is not None:  # its slot is next written once all pass publish()
+                    waited = time.perf_counter()
+                    in_flight.wait()
+                    in_flight = None
+                    stats.add_time("wire", time.perf_counter() - waited)
+                    t0 += time.perf_counter() - waited
+                self.shared.publish()
                 if group is None:
                     continue
             else:
-                with gathered(bucket_params):
+                buffer = None if group is None else pool[index % 2][:bucket.nbytes + TRAILER]
+                if _shards_to_rank0(bucket_params):
+                    shard_gather = shard_gather or ShardGather()
+                    shard_gather.gather(bucket_params, buffer, bucket)
                     if group is None:
                         continue
-                    flatten_into(buffer, bucket, [p.data for p in bucket_params])
+                else:
+                    with gathered(bucket_params):
+                        if group is None:
+                            continue
+                        flatten_into(buffer, bucket, [p.data for p in bucket_params])
             t1 = time.perf_counter()
             write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
             if index == corrupt_bucket:
@@ -197,7 +270,11 @@ class BroadcastTransport(WeightTransport):
             stats.add_time("wire", time.perf_counter() - t0)
         return stats
 
-    def receive(self, load_weights: LoadWeights, version: int) -> SyncStats:
+    def receive(self, load_weights: LoadWeights, version: int, keeps_views: bool = True
+                ) -> SyncStats:
+        """`keeps_views=False`: the loader copies each tensor before asking for the next (as
+        `DirectLoad` does), so two receive buffers are reused; vLLM's reload keeps views until
+        a layer is complete, so by default every bucket gets fresh memory."""
         group = self.group
         layout = SyncLayout.decode(group.broadcast_bytes(None))
         errors: list[str] = []
@@ -207,8 +284,15 @@ class BroadcastTransport(WeightTransport):
         check = get_checksum(layout.checksum)
         stats = SyncStats()
 
+        pool = []
+        if not keeps_views and layout.buckets:
+            size = max(b.nbytes for b in layout.buckets) + TRAILER
+            pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+
         def post(k: int):
-            buffer = new_buffer(layout.buckets[k], group.device)  # fresh: vLLM may keep views
+            bucket = layout.buckets[k]
+            buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
+                      else new_buffer(bucket, group.device))
             return buffer, group.broadcast(buffer)
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -232,12 +316,8 @@ class BroadcastTransport(WeightTransport):
                 stats.num_buckets += 1
                 stats.bytes += bucket.nbytes
                 stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
-                for name, tensor in unflatten(buffer, bucket):
-                    stats.num_tensors += 1
-                    yield name, tensor
-                    for alias, source in layout.aliases.items():
-                        if source == name:
-                            yield alias, tensor
+                stats.num_tensors += len(bucket.tensors)
+                yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
 
         weights = stream()
         t0 = time.perf_counter()
@@ -245,6 +325,11 @@ class BroadcastTransport(WeightTransport):
             if not errors:
                 load_weights(weights)
                 stats.add_time("load", time.perf_counter() - t0 - sum(stats.seconds.values()))
+        except Exception as e:
+            if not errors:
+                raise
+            # a bad bucket's tensors were skipped; the loader's complaint follows from that
+            errors.append(f"then the engine's loader failed: {e}")
         finally:
             for _ in weights:  # drain what the engine did not take, or the sender would hang
                 pass

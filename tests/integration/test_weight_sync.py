@@ -12,8 +12,8 @@ from update.losses import BatchCounts
 
 @pytest.fixture(scope="module")
 def tied_workers(ray_session, tmp_path_factory):
-    cfg = load_config(None, ["ray.num_workers=2", "trainer.lr=0.05", "trainer.micro_batch_size=4",
-                             "sync.bucket_mb=0.05"])
+    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
+                             "trainer.micro_batch_size=4", "sync.bucket_mb=0.05"])
     path = str(build_tiny_model("tiny-llama-tied", seed=1,
                                 out_dir=tmp_path_factory.mktemp("m") / "tied"))
     placement = Colocated(cfg)
@@ -31,14 +31,11 @@ def max_diffs(ray, workers, probe):
             for t, e in ray.get([w.probe.remote(probe) for w in workers])]
 
 
-def test_sync_round_trip_tied_embeddings(tied_workers):
-    ray, workers, cfg = tied_workers
-    probe = list(range(3, 60))
-    assert max(max_diffs(ray, workers, probe)) < 1e-3  # same checkpoint on both sides
-
+def update_once(ray, workers):
+    """One real training step on every rank (random samples, random advantages)."""
     gen = torch.Generator().manual_seed(0)
     batches = []
-    for rank in range(2):
+    for _ in workers:
         samples = [Sample(0, 0, torch.randint(3, 200, (6,), generator=gen).tolist(),
                           torch.randint(3, 200, (5,), generator=gen).tolist(), [], "stop", "",
                           advantages=[float(torch.randn(1, generator=gen))] * 5)
@@ -48,12 +45,43 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
     for b, o in zip(batches, old):
         b[0]["old_logprobs"] = o[0]["old_logprobs"]
     ray.get([w.train.remote(b, BatchCounts(40.0, 8.0)) for w, b in zip(workers, batches)])
+
+
+def test_sync_round_trip_tied_embeddings(tied_workers):
+    ray, workers, cfg = tied_workers
+    probe = list(range(3, 60))
+    assert max(max_diffs(ray, workers, probe)) < 1e-3  # same checkpoint on both sides
+
+    update_once(ray, workers)
     assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update changed the policy
 
     stats = ray.get([w.sync_weights.remote(1, int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
                      for w in workers])
     for s in stats:
         assert s["sync/logprob_max_abs_diff"] <= 1e-3
+        assert s["sync/direct_load"] == 1.0  # plain CPU linears: copied into the parameters
         assert s["sync/num_buckets"] > 1  # bounded buckets, not the whole model at once
         assert s["sync/max_bucket_bytes"] <= max(cfg.sync.bucket_mb * 2**20, 128 * 384 * 4)
     assert max(max_diffs(ray, workers, probe)) <= 1e-3
+
+
+def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_factory):
+    """rollout.cpu_linear=packed: vLLM's oneDNN-packed weights cannot be copied into, so the sync
+    goes through vLLM's layerwise reload, and must still reach the trainer's logprobs."""
+    cfg = load_config(None, ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
+                             "trainer.micro_batch_size=4", "rollout.cpu_linear=packed"])
+    path = str(build_tiny_model("tiny-qwen2", seed=2, out_dir=tmp_path_factory.mktemp("m") / "q"))
+    placement = Colocated(cfg)
+    try:
+        ray = ray_session
+        w = placement.trainers[0]
+        ray.get(w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0))
+        ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
+        probe = list(range(3, 60))
+        update_once(ray, [w])
+        assert max_diffs(ray, [w], probe)[0] > 1e-3  # the update moved the policy
+        stats = ray.get(w.sync_weights.remote(1, 2**16, probe, 1e-3))
+        assert stats["sync/direct_load"] == 0.0
+        assert stats["sync/logprob_max_abs_diff"] <= 1e-3
+    finally:
+        placement.stop()

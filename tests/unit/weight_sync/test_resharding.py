@@ -1,8 +1,5 @@
 """TP slicing against vLLM's own loaders: real vLLM layers, built with the TP rank/size patched,
 load the FULL tensor the normal way; what lands on each rank must equal our slice at our slot."""
-import importlib
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -40,25 +37,6 @@ def _model(spec):
         "model.norm.weight": _distinct(HIDDEN),
         "lm_head.weight": _distinct(spec.vocab_size, HIDDEN),
     }
-
-
-@pytest.fixture
-def vllm_tp(monkeypatch):
-    """vLLM layer modules, and at(rank, size) to make the next layer built think it is that rank.
-
-    The layers and their parameters read the TP rank/size through names imported into these
-    three modules; patching those avoids initializing torch.distributed.
-    """
-    linear = pytest.importorskip("vllm.model_executor.layers.linear")
-    vocab = importlib.import_module("vllm.model_executor.layers.vocab_parallel_embedding")
-    modules = (linear, vocab, importlib.import_module("vllm.model_executor.parameter"))
-
-    def at(rank, size):
-        for m in modules:
-            monkeypatch.setattr(m, "get_tensor_model_parallel_rank", lambda: rank)
-            monkeypatch.setattr(m, "get_tensor_model_parallel_world_size", lambda: size)
-
-    return SimpleNamespace(linear=linear, vocab=vocab, at=at)
 
 
 def _load_full(layer, full, shard_ids):

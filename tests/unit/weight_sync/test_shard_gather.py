@@ -1,6 +1,10 @@
-"""ShardGather on a real 2-process gloo world: ZeRO-3-style shards (padded at the end, as
-DeepSpeed lays them out) come back whole on rank 0, in their places in the flat bucket; sizes
-that do not divide by the world size exercise the padding."""
+"""Assembling buckets from ZeRO-3-style shards (padded at the end, as DeepSpeed lays them out)
+on a real 2-process gloo world; sizes that do not divide by the world size exercise the padding.
+
+ShardGather: the shards come back whole on rank 0, in their places in the flat bucket.
+NodeBuckets: each rank writes only its own shard (or, for parameters kept whole, its own element
+range) and after `publish()` both ranks read every bucket whole from shared memory, through the
+two alternating slots; ranks on two hosts get None."""
 import socket
 
 import torch
@@ -8,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from weight_sync.layout import new_buffer, plan_layout, unflatten
+from weight_sync.node_buckets import NodeBuckets
 from weight_sync.transport import ShardGather, _shards_to_rank0
 
 SHAPES = [(3, 5), (7,), (4, 4), (1,)]  # 15, 7, 16, 1 elements: odd sizes leave padding
@@ -72,3 +77,66 @@ def test_shards_come_back_whole_on_rank_0():
 
 def test_parameters_that_are_not_shards_fall_back_to_deepspeed():
     assert not _shards_to_rank0([torch.nn.Parameter(torch.zeros(3))])
+
+
+def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        if mode == "two_hosts" and rank == 1:
+            socket.gethostname = lambda: "another-host"
+        fulls = full_tensors()
+        params = ([shard(f, rank, world) for f in fulls] if mode == "zero3"
+                  else [torch.nn.Parameter(f.clone()) for f in fulls])
+        layout = plan_layout([(f"p{i}", list(f.shape), f.dtype) for i, f in enumerate(fulls)],
+                             bucket_bytes=40, version=1, checksum="sum64")
+        assert len(layout.buckets) >= 3, "three buckets or more: both slots get reused"
+        slot = max(b.nbytes for b in layout.buckets) + 8
+        shared = NodeBuckets.create(slot)
+        if mode == "two_hosts":
+            out[f"{rank}:created"] = shared is not None
+            return
+        assert NodeBuckets.reuse(shared, slot) is shared  # big enough: kept
+        index = 0
+        for k, bucket in enumerate(layout.buckets):
+            ps = params[index:index + len(bucket.tensors)]
+            index += len(bucket.tensors)
+            buffer = shared.write(k, bucket, ps)
+            shared.publish()
+            for name, t in unflatten(buffer, bucket):
+                out[f"{rank}:{name}"] = t.clone()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(mode: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=run_node, args=(r, 2, port, mode, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return dict(out)
+
+
+def test_every_rank_reads_every_bucket_whole_from_its_shards():
+    got = spawn("zero3")
+    for rank in range(2):
+        for i, full in enumerate(full_tensors()):
+            assert torch.equal(got[f"{rank}:p{i}"], full), (rank, i, SHAPES[i])
+
+
+def test_parameters_kept_whole_are_split_between_the_writers():
+    got = spawn("whole")
+    for i, full in enumerate(full_tensors()):
+        assert torch.equal(got[f"1:p{i}"], full), i
+
+
+def test_ranks_on_two_hosts_get_none():
+    assert spawn("two_hosts") == {"0:created": False, "1:created": False}
