@@ -1,17 +1,18 @@
 """Weight-sync speed in both placements, against the physical limits measured in the same run.
 
-    .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 32]
+    .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 128]
                                                [--steps 20]
 
 1. Sync seconds of a ~100M-parameter model (fp32, ~400 MB), trainer (2 ZeRO-3 ranks) -> engines:
-   colocated:     each rank's in-process copy into its vLLM engine; the limit is
-                  bytes / memcpy bandwidth measured in a worker;
+   colocated:     the ranks assemble each bucket in shared memory, each engine copies it into
+                  its parameters; the limit is bytes / memcpy bandwidth measured in a worker;
    disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU); the limit is
                   bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
                   size over the same group.
    Printed as sync / limit (target <= 2x). Syncs are timed without the probe check. Beside them,
-   the two ends' own floors: a bare ZeRO-3 gather (no consumer) and a bare vLLM reload of the
-   same tensors from memory (on CPU vLLM re-packs linear weights for oneDNN), and the sync's own
+   the two ends' own floors: a bare ZeRO-3 gather with DeepSpeed (no consumer) and a bare engine
+   load of the same tensors from memory (a copy into the parameters; vLLM's reload, which
+   re-packs CPU linear weights for oneDNN, with rollout.cpu_linear=packed), and the sync's own
    phase breakdown (gather, checksum, wire, load).
 2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
    mean over --steps steps after the first (warm-up cached after the first run).
@@ -94,9 +95,12 @@ def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
 
 
 def main() -> None:
+    from rl.config import SyncConfig
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:bench-100m")
-    p.add_argument("--bucket-mb", type=float, default=32.0)
+    p.add_argument("--bucket-mb", type=float, default=SyncConfig.bucket_mb,
+                   help="bucket size (default: sync.bucket_mb's default)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="quickstart steps per placement (0: skip)")
     p.add_argument("--out", default="/tmp/rlstack-bench")
@@ -121,12 +125,12 @@ def main() -> None:
         print(f"{r['placement']:<14}{r['sync_s']:>9.3f}{r['sync_s_median']:>9.3f}"
               f"{r['limit_s']:>9.3f}  {r['limit']:<16}{r['GBps_limit']:>6.2f}{r['ratio']:>12.2f}"
               f"{r['probe_diff']:>10.1e}")
-    print(f"\nthe ends' own floors, measured beside: a bare ZeRO-3 gather of every parameter, a bare "
-          f"vLLM reload of the same bytes from memory")
-    print(f"{'placement':<14}{'gather s':>10}{'reload s':>10}{'sync/(gather+reload)':>22}")
+    print(f"\nthe ends' own floors, measured beside: a bare DeepSpeed ZeRO-3 gather of every "
+          f"parameter, a bare engine load of the same bytes from memory")
+    print(f"{'placement':<14}{'gather s':>10}{'load s':>10}{'sync/(gather+load)':>20}")
     for r in rows:
         print(f"{r['placement']:<14}{r['gather_s']:>10.3f}{r['reload_s']:>10.3f}"
-              f"{r['sync_s'] / (r['gather_s'] + r['reload_s']):>22.2f}")
+              f"{r['sync_s'] / (r['gather_s'] + r['reload_s']):>20.2f}")
     for r in rows:
         print(f"  {r['placement']} phases (best sync): {r['phases']}")
     if args.steps:
