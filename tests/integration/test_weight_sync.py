@@ -85,3 +85,30 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
         assert stats["sync/logprob_max_abs_diff"] <= 1e-3
     finally:
         placement.stop()
+
+
+@pytest.mark.parametrize("stage, dtype, tolerance", [(2, "float32", 1e-3), (3, "bfloat16", 5e-2)])
+def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, stage, dtype,
+                                              tolerance):
+    """ZeRO-2 keeps parameters whole on every rank (each rank writes an equal range of them to
+    shared memory); a bf16 trainer sends bf16 buckets into a float32 engine."""
+    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
+                             "trainer.micro_batch_size=4", f"trainer.zero_stage={stage}",
+                             f"trainer.dtype={dtype}", "sync.bucket_mb=0.05"])
+    path = str(build_tiny_model("tiny-qwen2", seed=3, out_dir=tmp_path_factory.mktemp("m") / "q"))
+    placement = Colocated(cfg)
+    try:
+        ray = ray_session
+        workers = placement.trainers
+        ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
+                 for w in workers])
+        ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+        probe = list(range(3, 60))
+        update_once(ray, workers)
+        before = min(max_diffs(ray, workers, probe))
+        stats = ray.get([w.sync_weights.remote(1, 2**16, probe, tolerance) for w in workers])
+        after = max(max_diffs(ray, workers, probe))
+        assert after <= tolerance < before
+        assert all(s["sync/direct_load"] == 1.0 for s in stats)
+    finally:
+        placement.stop()
