@@ -1,11 +1,12 @@
 """Weight-sync speed in both placements, against the physical limits measured in the same run.
 
-    .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 128]
+    .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 32]
                                                [--steps 20]
 
 1. Sync seconds of a ~100M-parameter model (fp32, ~400 MB), trainer (2 ZeRO-3 ranks) -> engines:
-   colocated:     the ranks assemble each bucket in shared memory, each engine copies it into
-                  its parameters; the limit is bytes / memcpy bandwidth measured in a worker;
+   colocated:     the engines' weights live once in shared memory and each trainer rank writes
+                  its ZeRO-3 shards straight into them; the limit is bytes / memcpy bandwidth
+                  measured in a worker;
    disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU); the limit is
                   bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
                   size over the same group.

@@ -122,9 +122,9 @@ class RewardConfig:
 
 @dataclass
 class SyncConfig:
-    bucket_mb: float = 128.0
-    ("Largest bucket of weights in MiB; a sync holds two. Fewer buckets, fewer lockstep points: "
-     "bench-100m colocated sync was 2.4x memcpy with 32, 1.8x with 128 (benchmarks/sync_speed.py).")
+    bucket_mb: float = 32.0
+    ("Largest bucket of weights in MiB where a sync goes by buckets (disaggregated; colocated "
+     "only when the engines cannot share one copy of the weights); a sync holds two.")
     tolerance: float = 1e-3
     "Largest allowed |trainer - engine| probe logprob after a sync (1e-3 fits fp32 on both sides)."
     checksum: str = "sum64"

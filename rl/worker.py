@@ -219,6 +219,7 @@ class RolloutRole(Role):
         from weight_sync.resharding import TPSpec
 
         config = self.engine.hf_config
+        self.direct_load = False
         if self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
             spec = TPSpec.from_hf_config(config, tp_size=1)
             self.engine.set_weight_placer(DirectLoad(self.engine.parameters(), spec))
@@ -297,20 +298,30 @@ class RolloutWorker(RolloutRole):
 class ColocatedWorker(TrainerRole, RolloutRole):
     """One trainer rank and one rollout engine in one process, taking turns."""
 
+    # the engines' weights in shared memory, written in place by the trainer ranks
+    # (weight_sync.shared_weights); None: not decided yet, False: not possible here
+    shared_weights = None
+
+    def init_rollout(self, *args, **kwargs) -> None:
+        super().init_rollout(*args, **kwargs)
+        self.shared_weights = None  # a new engine: decided again on the next sync
+
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
                      tolerance: float) -> dict:
-        """Stream the trainer's weights into this rank's engine, then verify them on a probe."""
+        """Make this rank's engine the trainer's weights (collective over the trainer ranks),
+        then verify them on a probe."""
         import time
 
-        from weight_sync.transport import LocalTransport
         from weight_sync.verify import check_logprobs
 
         t0 = time.perf_counter()
         self.policy_version = None
-        transport = LocalTransport(bucket_bytes, self.shared_slots, keeps_views=not self.direct_load)
-        transport.send(self.trainer.module, version)
-        stats = transport.receive(self.engine.load_weights, version)
-        self.shared_slots = transport.shared
+        if self.shared_weights is None:
+            self.shared_weights = self._share_engine_weights()
+        if self.shared_weights:
+            stats = self._write_shared_weights()
+        else:
+            stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
         diff = check_logprobs(self.trainer.sequence_logprobs(probe),
                               self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
@@ -318,7 +329,47 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff, "sync/direct_load": float(self.direct_load),
-                **phase_seconds(stats)}
+                "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
+
+    def _share_engine_weights(self):
+        """Move the engines' weights into one shared copy when they keep their weights as loaded
+        and the trainer is on CPU (every rank decides alike: same config and model)."""
+        from weight_sync.resharding import TPSpec
+        from weight_sync.shared_weights import SharedWeights
+
+        if not self.direct_load or self.device != "cpu":
+            return False
+        spec = TPSpec.from_hf_config(self.engine.hf_config, tp_size=1)
+        shared = SharedWeights.create(self.engine.parameters(), spec)
+        if shared is None:
+            return False
+        self.engine.rebind_parameters(shared.views)
+        self._place_weights_directly()  # the placer must write to the shared copy too
+        return shared
+
+    def _write_shared_weights(self):
+        import time
+
+        from weight_sync.buckets import SyncStats, tied_head_alias
+
+        module = self.trainer.module
+        stats = SyncStats()
+        t0 = time.perf_counter()
+        self.shared_weights.write(module, tied_head_alias(module))
+        self.engine.reset_prefix_cache()
+        stats.add_time("write", time.perf_counter() - t0)
+        stats.bytes = sum((p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size()
+                          for p in module.parameters())
+        return stats
+
+    def _load_buckets(self, version: int, bucket_bytes: int):
+        from weight_sync.transport import LocalTransport
+
+        transport = LocalTransport(bucket_bytes, self.shared_slots, keeps_views=not self.direct_load)
+        transport.send(self.trainer.module, version)
+        stats = transport.receive(self.engine.load_weights, version)
+        self.shared_slots = transport.shared
+        return stats
 
     def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
         """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""

@@ -105,6 +105,21 @@ class VLLMEngine:
         weights can be copied into it; False on CPU with cpu_linear=packed."""
         return all(p.numel() > 0 for p in self.parameters().values())
 
+    def rebind_parameters(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Point each parameter at the given tensor of its name (same shape and dtype, values
+        already in place), e.g. one copy of the weights shared by several engines."""
+        model = self._worker.model_runner.model
+        for name, p in model.named_parameters(remove_duplicate=False):
+            new = tensors[name]
+            if new.shape != p.shape or new.dtype != p.dtype:
+                raise ValueError(f"{name}: the engine has {tuple(p.shape)} {p.dtype}, the new "
+                                 f"tensor is {tuple(new.shape)} {new.dtype}")
+            p.data = new
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks: they were computed with the old weights."""
+        self.llm.reset_prefix_cache()
+
     def set_weight_placer(self, place) -> None:
         """Have `load_weights` hand the tensors to `place(iterator)` (which copies them into
         `parameters()`) instead of vLLM's layerwise reload; None restores the reload."""

@@ -33,7 +33,7 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tensor, int]:
+def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tensor, int]:
     """(this rank's elements of the flattened full parameter, where they start in it)."""
     ds = getattr(p, "ds_tensor", None)
     if ds is not None and ds.numel() * world == getattr(p, "ds_numel_aligned", -1):
@@ -50,46 +50,58 @@ def _part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tensor, i
     return source[:count], start
 
 
+def same_host() -> bool:
+    """Whether every rank of the default process group runs on this host (collective)."""
+    import torch.distributed as dist
+
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(set(hosts)) == 1
+
+
+def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """`nbytes` of zeroed memory mapped by every rank of the default process group (collective;
+    call `same_host()` first). The file is unlinked at once: the memory lives until the last
+    mapping goes, so nothing is left behind when a process dies."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    name = [os.path.join(_shm_dir(), f"rlstack-sync-{uuid.uuid4().hex}") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    path = name[0]
+    if rank == 0:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+    dist.barrier()
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            os.unlink(path)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 class NodeBuckets:
     """Two shared-memory slots of `slot_bytes`, mapped by every trainer rank of one machine."""
 
-    def __init__(self, path: str, slot_bytes: int, rank: int, world: int):
-        self.slot_bytes, self.rank, self.world = slot_bytes, rank, world
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, 2 * slot_bytes)
-        finally:
-            os.close(fd)
-        memory = torch.frombuffer(self._map, dtype=torch.uint8)
+    def __init__(self, slot_bytes: int):
+        import torch.distributed as dist
+
+        self.slot_bytes, self.rank, self.world = slot_bytes, dist.get_rank(), dist.get_world_size()
+        self._map, memory = shared_memory(2 * slot_bytes)
         self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
 
     @classmethod
     def create(cls, slot_bytes: int) -> NodeBuckets | None:
         """Collective over the default process group (the trainer world): every rank calls it.
         None when the ranks are not all on this host."""
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(), dist.get_world_size()
-        hosts = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname())
-        if len(set(hosts)) != 1:
-            return None
-        name = [os.path.join(_shm_dir(), f"rlstack-sync-{uuid.uuid4().hex}") if rank == 0
-                else None]
-        dist.broadcast_object_list(name, src=0)
-        path = name[0]
-        if rank == 0:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, 2 * slot_bytes)
-            os.close(fd)
-        dist.barrier()
-        try:
-            buckets = cls(path, slot_bytes, rank, world)
-        finally:
-            dist.barrier()
-            if rank == 0:
-                os.unlink(path)  # the mappings keep the memory until the last rank exits
-        return buckets
+        return cls(slot_bytes) if same_host() else None
 
     @classmethod
     def reuse(cls, current: NodeBuckets | None | bool, slot_bytes: int):
@@ -111,7 +123,7 @@ class NodeBuckets:
         for p, meta in zip(params, bucket.tensors, strict=True):
             if self.rank == 0:
                 slot[end:meta.offset].zero_()  # alignment gaps: defined bytes for checksums
-            part, start = _part(p, self.rank, self.world)
+            part, start = shard_part(p, self.rank, self.world)
             full = slot[meta.offset:meta.offset + meta.nbytes].view(p.dtype)
             full[start:start + part.numel()].copy_(part)
             end = meta.offset + meta.nbytes

@@ -4,7 +4,9 @@ on a real 2-process gloo world; sizes that do not divide by the world size exerc
 ShardGather: the shards come back whole on rank 0, in their places in the flat bucket.
 NodeBuckets: each rank writes only its own shard (or, for parameters kept whole, its own element
 range) and after `publish()` both ranks read every bucket whole from shared memory, through the
-two alternating slots; ranks on two hosts get None."""
+two alternating slots; ranks on two hosts get None.
+SharedWeights: each rank writes its shards straight into engine-layout weights (fused q/k/v,
+padded and tied vocab) shared by both; a parameter never sent fails the write on every rank."""
 import socket
 
 import torch
@@ -140,3 +142,95 @@ def test_parameters_kept_whole_are_split_between_the_writers():
 
 def test_ranks_on_two_hosts_get_none():
     assert spawn("two_hosts") == {"0:created": False, "1:created": False}
+
+
+HF_SHAPES = {"model.embed_tokens.weight": (100, 16), "model.layers.0.self_attn.q_proj.weight": (16, 16),
+             "model.layers.0.self_attn.k_proj.weight": (8, 16),
+             "model.layers.0.self_attn.v_proj.weight": (8, 16), "model.norm.weight": (16,)}
+
+
+def hf_model() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {n: torch.randn(*s, generator=gen) for n, s in HF_SHAPES.items()}
+
+
+def engine_params() -> dict[str, torch.Tensor]:
+    """A vLLM-style engine: fused q/k/v, vocab padded to 128 rows, the head tied to it."""
+    embed = torch.zeros(128, 16)
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": embed,
+            "model.layers.0.self_attn.qkv_proj.weight": torch.zeros(32, 16),
+            "model.norm.weight": torch.zeros(16)}
+
+
+def module_with(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for name, p in params.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, p)
+    return root
+
+
+def run_shared(rank: int, world: int, port: int, mode: str, out) -> None:
+    from weight_sync.direct import DirectLoadError
+    from weight_sync.resharding import TPSpec
+    from weight_sync.shared_weights import SharedWeights
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        spec = TPSpec(1, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32,
+                      vocab_size=100)
+        hf = {n: t for n, t in hf_model().items() if not (mode == "missing" and "v_proj" in n)}
+        module = module_with({n: shard(t, rank, world) for n, t in hf.items()})
+        shared = SharedWeights.create(engine_params(), spec)
+        assert shared.views["lm_head.weight"].data_ptr() == \
+            shared.views["model.embed_tokens.weight"].data_ptr(), "a tied head stays tied"
+        try:
+            shared.write(module, {"lm_head.weight": "model.embed_tokens.weight"})
+        except DirectLoadError as e:
+            out[f"{rank}:error"] = str(e)
+            return
+        for name, view in shared.views.items():
+            out[f"{rank}:{name}"] = view.clone()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_shared(mode: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=run_shared, args=(r, 2, port, mode, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return dict(out)
+
+
+def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
+    hf, got = hf_model(), spawn_shared("all")
+    qkv = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    for rank in range(2):
+        assert torch.equal(got[f"{rank}:model.layers.0.self_attn.qkv_proj.weight"], qkv)
+        assert torch.equal(got[f"{rank}:model.embed_tokens.weight"][:100],
+                           hf["model.embed_tokens.weight"])
+        assert not got[f"{rank}:model.embed_tokens.weight"][100:].any(), "padding rows kept"
+        assert torch.equal(got[f"{rank}:model.norm.weight"], hf["model.norm.weight"])
+
+
+def test_a_parameter_the_trainer_does_not_send_fails_the_write_on_every_rank():
+    got = spawn_shared("missing")
+    # engine: vocab 100 x 16 (padding not counted) + qkv 32 x 16 + norm 16 = 2128; no v: -8 x 16
+    for rank in range(2):
+        assert "wrote 2000 elements of the shared engine weights, the engine has 2128" in \
+            got[f"{rank}:error"]
