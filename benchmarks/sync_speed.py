@@ -7,7 +7,8 @@
    colocated:     the engines' weights live once in shared memory and each trainer rank writes
                   its ZeRO-3 shards straight into them; the limit is bytes / memcpy bandwidth
                   measured in a worker;
-   disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU); the limit is
+   disaggregated: trainer rank 0 -> 2 engines over gloo (NCCL on GPU), buckets cut from the
+                  engines' packed layout and received in place; the limit is
                   bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
                   size over the same group.
    Printed as sync / limit (target <= 2x). Syncs are timed without the probe check. Beside them,

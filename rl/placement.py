@@ -155,6 +155,16 @@ class Disaggregated(Placement):
                 + [e.join_sync_group.remote(addr, port, 1 + i, size, timeout)
                    for i, e in enumerate(self.engines)])
 
+    def init_rollout(self, model_path: str, version: int) -> None:
+        """Start the engines; when they can take buckets in place (all with the same packed
+        layout), tell the trainers, which then cut buckets from it."""
+        import ray
+
+        super().init_rollout(model_path, version)
+        layouts = ray.get([e.pack_weights.remote() for e in self.engines])
+        same = layouts[0] if all(x is not None and x == layouts[0] for x in layouts) else None
+        ray.get([t.set_engine_layout.remote(same) for t in self.trainers])
+
     def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
         """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
         `corrupt_bucket` is a fault injection for tests."""
@@ -183,6 +193,7 @@ class Disaggregated(Placement):
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
                 "sync/logprob_max_abs_diff": diff,
                 "sync/direct_load": min(r["sync/direct_load"] for r in received),
+                "sync/in_place": sent["sync/in_place"],
                 **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
                 **{k: max(r[k] for r in received) for k in received[0]
                    if k.startswith("sync/receive_")}}

@@ -116,6 +116,12 @@ class TrainerRole(Role):
     # the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets), made on the
     # first sync; False when the ranks span several machines or train on GPUs
     shared_slots = None
+    engine_layout = None  # the engines' packed layout (weight_sync.in_place), when they have one
+
+    def set_engine_layout(self, encoded: str | None) -> None:
+        from weight_sync.in_place import EngineLayout
+
+        self.engine_layout = None if encoded is None else EngineLayout.decode(encoded)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from update.trainer import init_distributed
@@ -180,13 +186,19 @@ class TrainerRole(Role):
         from weight_sync.transport import BroadcastTransport
 
         t0 = time.perf_counter()
-        transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots)
+        engine = None
+        if self.engine_layout is not None:
+            from weight_sync.resharding import TPSpec
+
+            engine = (self.engine_layout, TPSpec.from_hf_config(self.trainer.module.config, 1))
+        transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots,
+                                       engine)
         stats = transport.send(self.trainer.module, version, corrupt_bucket)
         self.shared_slots = transport.shared
         return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets,
                 "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                **phase_seconds(stats, "send_")}
+                "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         self.trainer.save_checkpoint(directory, tag)
@@ -201,13 +213,14 @@ class RolloutRole(Role):
     engine = None
     policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
     direct_load = False  # syncs copy into the engine's parameters (else vLLM's reload)
+    packed = None  # (layout digest, flat buffer) once the parameters live in one buffer
 
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
                      version: int = 0) -> None:
         from rollout.vllm_engine import VLLMEngine
 
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
-        self.policy_version = version
+        self.policy_version, self.packed = version, None
         self._place_weights_directly()
 
     def _place_weights_directly(self) -> None:
@@ -249,6 +262,22 @@ class RolloutRole(Role):
             best = min(best, time.perf_counter() - t0)
         return best
 
+    def pack_weights(self) -> str | None:
+        """Move the engine's parameters into one flat buffer so that disaggregated buckets can
+        land in it (`weight_sync.in_place`); returns its layout, or None if the engine cannot
+        take weights in place (packed CPU linears, an unknown model)."""
+        from weight_sync.in_place import EngineLayout
+
+        if not self.direct_load:
+            return None
+        params = self.engine.parameters()
+        layout = EngineLayout.of(params)
+        flat, views = layout.pack(params)
+        self.engine.rebind_parameters(views)
+        self._place_weights_directly()  # the placer must write to the packed copy
+        self.packed = (layout.digest(), flat)
+        return layout.encode()
+
     def check_version(self, expected: int | None) -> None:
         if expected is not None and self.policy_version != expected:
             from weight_sync.transport import WeightSyncError
@@ -277,7 +306,9 @@ class RolloutRole(Role):
         t0 = time.perf_counter()
         self.policy_version = None  # until the whole version has arrived and checked out
         stats = BroadcastTransport(self.sync_group, 0).receive(
-            self.engine.load_weights, version, keeps_views=not self.direct_load)
+            self.engine.load_weights, version, keeps_views=not self.direct_load,
+            packed=self.packed)
+        self.engine.reset_prefix_cache()  # in-place buckets bypass load_weights
         self.policy_version = version
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}

@@ -43,6 +43,7 @@ class TensorMeta:
 class BucketMeta:
     tensors: list[TensorMeta]
     nbytes: int  # data bytes, aligned; the buffer is nbytes + TRAILER long
+    start: int = 0  # in-place syncs: where the bucket lies in the engine's packed weights
 
 
 @dataclass
@@ -51,6 +52,7 @@ class SyncLayout:
     checksum: str
     buckets: list[BucketMeta]
     aliases: dict[str, str] = field(default_factory=dict)  # extra name -> sent name (tied heads)
+    in_place: str = ""  # digest of the engine layout the buckets tile (weight_sync.in_place)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -58,9 +60,10 @@ class SyncLayout:
     @staticmethod
     def decode(data: bytes) -> "SyncLayout":
         raw = json.loads(data)
-        buckets = [BucketMeta([TensorMeta(**t) for t in b["tensors"]], b["nbytes"])
+        buckets = [BucketMeta([TensorMeta(**t) for t in b["tensors"]], b["nbytes"], b["start"])
                    for b in raw["buckets"]]
-        return SyncLayout(raw["version"], raw["checksum"], buckets, raw["aliases"])
+        return SyncLayout(raw["version"], raw["checksum"], buckets, raw["aliases"],
+                          raw["in_place"])
 
 
 def plan_layout(specs: list[tuple[str, list[int], torch.dtype]], bucket_bytes: int, version: int,

@@ -124,7 +124,8 @@ class NodeBuckets:
             if self.rank == 0:
                 slot[end:meta.offset].zero_()  # alignment gaps: defined bytes for checksums
             part, start = shard_part(p, self.rank, self.world)
-            full = slot[meta.offset:meta.offset + meta.nbytes].view(p.dtype)
+            # the layout's dtype: the engine's own for in-place buckets (the copy casts)
+            full = slot[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
             full[start:start + part.numel()].copy_(part)
             end = meta.offset + meta.nbytes
         if self.rank == 0:

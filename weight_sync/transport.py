@@ -21,9 +21,11 @@ import torch
 from weight_sync.buckets import SyncStats, gathered, iter_full_weights, tied_head_alias
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
+from weight_sync.in_place import EngineLayout, plan_in_place
 from weight_sync.layout import (TRAILER, SyncLayout, as_int64, flatten_into, new_buffer,
                                 plan_layout, read_trailer, unflatten, write_trailer)
 from weight_sync.node_buckets import NodeBuckets
+from weight_sync.resharding import TPSpec
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -200,21 +202,41 @@ class BroadcastTransport(WeightTransport):
     shards to rank 0 (`ShardGather`) or with DeepSpeed."""
 
     def __init__(self, group: CollectiveGroup | None, bucket_bytes: int, checksum: str = "sum64",
-                 shared: NodeBuckets | None | bool = None):
+                 shared: NodeBuckets | None | bool = None,
+                 engine: tuple[EngineLayout, TPSpec] | None = None):
+        """`engine`: the engines' packed layout (all alike) and their TP spec; with shared slots,
+        buckets are then cut from it and land in the engines' parameters (`weight_sync.in_place`)."""
         self.group, self.bucket_bytes, self.checksum = group, bucket_bytes, checksum
         self._checksum = get_checksum(checksum)
-        self.shared = shared
+        self.shared, self.engine = shared, engine
+        self.in_place = False  # whether the last send cut its buckets from the engine layout
+
+    def _layout(self, module: torch.nn.Module, version: int) -> SyncLayout:
+        """In-place buckets when the engines' layout is known and the ranks share memory; else
+        buckets of the trainer's own tensors (collective: every rank decides alike)."""
+        aliases = tied_head_alias(module)
+        if self.engine is not None:
+            engine, spec = self.engine
+            trainer = [(n, _full_shape(p)) for n, p in module.named_parameters()]
+            buckets = plan_in_place(engine, trainer, aliases, spec, self.bucket_bytes)
+            layout = SyncLayout(version, self.checksum, buckets, {}, engine.digest())
+            self.shared = _shared_slots(self.shared, module, layout)
+            self.in_place = bool(self.shared)
+            if self.in_place:
+                return layout
+        layout = _plan(module, self.bucket_bytes, version, self.checksum, aliases)
+        self.shared = _shared_slots(self.shared, module, layout)
+        return layout
 
     def send(self, module: torch.nn.Module, version: int, corrupt_bucket: int | None = None
              ) -> SyncStats:
         """`corrupt_bucket` flips bytes of that bucket after its checksum is taken: a fault
         injection for tests of the receiver's check."""
         by_name = dict(module.named_parameters())
-        layout = _plan(module, self.bucket_bytes, version, self.checksum, tied_head_alias(module))
+        layout = self._layout(module, version)
         group = self.group
         if group is not None:
             group.broadcast_bytes(layout.encode())
-        self.shared = _shared_slots(self.shared, module, layout)
         stats = SyncStats()
         in_flight = None
         if group is not None and layout.buckets and not self.shared:
@@ -270,17 +292,24 @@ class BroadcastTransport(WeightTransport):
             stats.add_time("wire", time.perf_counter() - t0)
         return stats
 
-    def receive(self, load_weights: LoadWeights, version: int, keeps_views: bool = True
-                ) -> SyncStats:
+    def receive(self, load_weights: LoadWeights, version: int, keeps_views: bool = True,
+                packed: tuple[str, torch.Tensor] | None = None) -> SyncStats:
         """`keeps_views=False`: the loader copies each tensor before asking for the next (as
         `DirectLoad` does), so two receive buffers are reused; vLLM's reload keeps views until
-        a layer is complete, so by default every bucket gets fresh memory."""
+        a layer is complete, so by default every bucket gets fresh memory.
+        `packed`: (layout digest, flat buffer) of an engine whose parameters live in one buffer
+        (`EngineLayout.pack`): in-place buckets are received straight into it."""
         group = self.group
         layout = SyncLayout.decode(group.broadcast_bytes(None))
         errors: list[str] = []
         if layout.version != version:
             errors.append(f"the trainer sent policy version {layout.version}, this engine was "
                           f"told to expect {version}")
+        in_place = bool(layout.in_place)
+        if in_place and (packed is None or packed[0] != layout.in_place):
+            errors.append(f"the trainer cut buckets for engine layout {layout.in_place}, this "
+                          f"engine's is {packed[0] if packed else 'not packed'}")
+            in_place = False  # receive into scratch memory, so the sender can finish
         check = get_checksum(layout.checksum)
         stats = SyncStats()
 
@@ -291,8 +320,11 @@ class BroadcastTransport(WeightTransport):
 
         def post(k: int):
             bucket = layout.buckets[k]
-            buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
-                      else new_buffer(bucket, group.device))
+            if in_place:  # its trailer lands on bucket k+1's first bytes: read before k+1
+                buffer = packed[1][bucket.start:bucket.start + bucket.nbytes + TRAILER]
+            else:
+                buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
+                          else new_buffer(bucket, group.device))
             return buffer, group.broadcast(buffer)
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -301,9 +333,10 @@ class BroadcastTransport(WeightTransport):
                 buffer, work = pending
                 t0 = time.perf_counter()
                 work.wait()
+                sent = read_trailer(buffer, bucket)
                 pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
                 t1 = time.perf_counter()
-                sent, got = read_trailer(buffer, bucket), as_int64(check(buffer[:bucket.nbytes]))
+                got = as_int64(check(buffer[:bucket.nbytes]))
                 stats.add_time("wire", t1 - t0)
                 stats.add_time("checksum", time.perf_counter() - t1)
                 if sent != got:
@@ -317,12 +350,13 @@ class BroadcastTransport(WeightTransport):
                 stats.bytes += bucket.nbytes
                 stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
                 stats.num_tensors += len(bucket.tensors)
-                yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
+                if not layout.in_place:  # in place: already where the engine reads it
+                    yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
 
         weights = stream()
         t0 = time.perf_counter()
         try:
-            if not errors:
+            if not errors and not layout.in_place:
                 load_weights(weights)
                 stats.add_time("load", time.perf_counter() - t0 - sum(stats.seconds.values()))
         except Exception as e:

@@ -65,7 +65,7 @@ def test_broadcast_sync_after_an_update_reaches_every_engine(pools):
     assert min(engine_diffs(ray, placement, probe)) > 1e-3  # the update moved the policy
     stats = placement.sync(1, probe)
     assert stats["sync/logprob_max_abs_diff"] <= 1e-3  # checked on every engine
-    assert stats["sync/direct_load"] == 1.0  # copied into the engines' parameters
+    assert stats["sync/direct_load"] == 1.0 and stats["sync/in_place"] == 1.0  # no receive copy
     assert stats["sync/num_buckets"] > 1  # bounded buckets, back to back
     assert stats["sync/max_bucket_bytes"] <= max(0.05 * 2**20, 128 * 384 * 4 + 16)
     assert max(engine_diffs(ray, placement, probe)) <= 1e-3
@@ -77,9 +77,7 @@ def test_a_corrupted_bucket_is_detected_and_the_engine_refuses_to_generate(pools
     ray, placement = pools
     probe = list(range(3, 60))
     train_once(ray, placement)
-    # the bucket's tensors are skipped, so the engine's loader then finds them missing too
-    with pytest.raises(WeightSyncError, match=r"bucket 1/\d+ .* failed its sum64 check.*"
-                                              r"loader failed: the sync left"):
+    with pytest.raises(WeightSyncError, match=r"bucket 1/\d+ .* failed its sum64 check"):
         placement.sync(2, probe, corrupt_bucket=1)
     with pytest.raises(WeightSyncError, match="holds policy version None"):
         ray.get(placement.engines[0].generate.remote([probe[:8]], [1], version=2))

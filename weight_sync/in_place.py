@@ -1,0 +1,124 @@
+"""Disaggregated syncs that land in place: buckets cut from the engine's own packed weights.
+
+A rollout engine that keeps its weights as loaded (see `weight_sync.direct`) packs them into one
+flat buffer (`EngineLayout`: each distinct parameter at a 64-byte aligned offset, in vLLM's
+layout: fused q/k/v and gate/up, padded vocab) and points its parameters at it. The sender gets
+that layout once, and cuts buckets that tile the buffer: bucket k is the byte range
+[start_k, start_k+1), holding each HF tensor at its slot (`local_param_slot`) in the engine's
+dtype, zeros in the gaps (alignment, the vocab's padding rows, which vLLM keeps zero). Every
+engine then receives bucket k straight into its parameters: no receive buffer, no copy.
+
+The bucket's 8-byte checksum trailer lands on the first bytes of bucket k+1 (or the spare
+bytes after the last bucket); the receiver reads it before asking for bucket k+1.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
+
+import torch
+
+from weight_sync.direct import DirectLoadError
+from weight_sync.layout import TRAILER, BucketMeta, TensorMeta, dtype_name
+from weight_sync.resharding import TPSpec, is_vocab, local_param_slot
+
+ALIGN = 64  # bytes: each parameter starts on a cache line
+
+
+@dataclass
+class EngineLayout:
+    """The engine's distinct parameters in its packed buffer, and its other names for them."""
+
+    tensors: list[TensorMeta]
+    aliases: dict[str, str] = field(default_factory=dict)  # engine name -> stored name
+    nbytes: int = 0
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor]) -> EngineLayout:
+        first: dict[int, str] = {}
+        tensors, aliases, end = [], {}, 0
+        for name, p in params.items():
+            if p.data_ptr() in first:
+                aliases[name] = first[p.data_ptr()]
+                continue
+            first[p.data_ptr()] = name
+            tensors.append(TensorMeta(name, list(p.shape), dtype_name(p.dtype), end))
+            end += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        return cls(tensors, aliases, end)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def decode(data: str) -> EngineLayout:
+        raw = json.loads(data)
+        return EngineLayout([TensorMeta(**t) for t in raw["tensors"]], raw["aliases"],
+                            raw["nbytes"])
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.encode().encode()).hexdigest()[:16]
+
+    def pack(self, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """(flat buffer holding the current values, {every engine name: its view in it}); the
+        buffer has TRAILER spare bytes at the end for the last bucket's checksum."""
+        device = next(iter(params.values())).device
+        flat = torch.zeros(self.nbytes + TRAILER, dtype=torch.uint8, device=device)
+        views = {}
+        for meta in self.tensors:
+            view = flat[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
+            views[meta.name] = view.view(meta.shape)
+            views[meta.name].copy_(params[meta.name])
+        views.update({alias: views[stored] for alias, stored in self.aliases.items()})
+        return flat, views
+
+
+def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
+                  trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int
+                  ) -> list[BucketMeta]:
+    """Buckets that tile the engine's buffer, each TensorMeta an HF tensor (named as the trainer
+    names it; shape as sent, dtype as stored) at its offset in its bucket."""
+    stored = {m.name: m for m in engine.tensors}
+    placed: list[tuple[int, TensorMeta]] = []
+    covered: dict[str, int] = {}
+    for name, shape in trainer:
+        targets = [name] + [a for a, source in trainer_aliases.items() if source == name]
+        seen = set()
+        for target_name in targets:
+            target, row = local_param_slot(target_name, spec)
+            target = engine.aliases.get(target, target)
+            meta = stored.get(target)
+            if meta is None:
+                raise DirectLoadError(f"{target_name!r} goes to engine parameter {target!r}, "
+                                      f"which the engine does not have")
+            if target in seen:  # a head the engine ties too
+                continue
+            seen.add(target)
+            row_bytes = meta.nbytes // meta.shape[0] if meta.shape else meta.nbytes
+            sent = TensorMeta(name, list(shape), meta.dtype, 0)
+            if row * row_bytes + sent.nbytes > meta.nbytes or list(shape[1:]) != meta.shape[1:]:
+                raise DirectLoadError(f"{target_name!r} {list(shape)} does not fit engine "
+                                      f"parameter {target!r} {meta.shape} at row {row}")
+            placed.append((meta.offset + row * row_bytes, sent))
+            covered[target] = covered.get(target, 0) + sent.nbytes
+    for meta in engine.tensors:
+        rows = meta.shape[0] if meta.shape else 1
+        want = meta.nbytes // rows * (min(rows, spec.vocab_size) if is_vocab(meta.name) else rows)
+        if covered.get(meta.name, 0) != want:
+            raise DirectLoadError(f"the trainer's tensors cover {covered.get(meta.name, 0)} of "
+                                  f"the {want} bytes of engine parameter {meta.name!r}; the "
+                                  f"trainer and engine models differ")
+    placed.sort(key=lambda item: item[0])
+    buckets: list[BucketMeta] = []
+    start, current = 0, []
+    for offset, sent in placed:
+        # cut only at 8-byte boundaries: the checksum reads a bucket as 64-bit words
+        if current and offset + sent.nbytes - start > bucket_bytes and offset % 8 == 0:
+            buckets.append(BucketMeta(current, offset - start, start))
+            start, current = offset, []
+        sent.offset = offset - start
+        current.append(sent)
+    if current:
+        buckets.append(BucketMeta(current, engine.nbytes - start, start))
+    return buckets
