@@ -268,8 +268,8 @@ class RolloutRole(Role):
         take weights in place (packed CPU linears, an unknown model)."""
         from weight_sync.in_place import EngineLayout
 
-        if not self.direct_load:
-            return None
+        if not self.direct_load or self.device != "cpu":
+            return None  # the sender cuts in-place buckets from CPU shared memory only
         params = self.engine.parameters()
         layout = EngineLayout.of(params)
         flat, views = layout.pack(params)

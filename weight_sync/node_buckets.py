@@ -23,6 +23,7 @@ import os
 import socket
 import tempfile
 import uuid
+import warnings
 
 import torch
 
@@ -59,21 +60,42 @@ def same_host() -> bool:
     return len(set(hosts)) == 1
 
 
-def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+def _create(path: str, nbytes: int) -> bool:
+    """Create the file with all its pages reserved; False if the file system is too small (a
+    container's default /dev/shm is 64 MB: pages that are not there would kill the process
+    with SIGBUS on first touch)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor] | None:
     """`nbytes` of zeroed memory mapped by every rank of the default process group (collective;
-    call `same_host()` first). The file is unlinked at once: the memory lives until the last
-    mapping goes, so nothing is left behind when a process dies."""
+    call `same_host()` first), or None on every rank if it does not fit. The file is unlinked at
+    once: the memory lives until the last mapping goes, so nothing is left when a process dies."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    name = [os.path.join(_shm_dir(), f"rlstack-sync-{uuid.uuid4().hex}") if rank == 0 else None]
+    name = [None]
+    if rank == 0:
+        path = os.path.join(_shm_dir(), f"rlstack-sync-{uuid.uuid4().hex}")
+        name = [path if _create(path, nbytes) else None]
+        if name[0] is None:
+            warnings.warn(f"no room for {nbytes / 2**20:.0f} MiB in {_shm_dir()}; weight syncs "
+                          f"fall back to gathering (give the container a larger /dev/shm)")
     dist.broadcast_object_list(name, src=0)
     path = name[0]
-    if rank == 0:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
-    dist.barrier()
+    if path is None:
+        return None
     try:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -90,18 +112,19 @@ def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 class NodeBuckets:
     """Two shared-memory slots of `slot_bytes`, mapped by every trainer rank of one machine."""
 
-    def __init__(self, slot_bytes: int):
+    def __init__(self, slot_bytes: int, mapped: tuple[mmap.mmap, torch.Tensor]):
         import torch.distributed as dist
 
         self.slot_bytes, self.rank, self.world = slot_bytes, dist.get_rank(), dist.get_world_size()
-        self._map, memory = shared_memory(2 * slot_bytes)
+        self._map, memory = mapped
         self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
 
     @classmethod
     def create(cls, slot_bytes: int) -> NodeBuckets | None:
         """Collective over the default process group (the trainer world): every rank calls it.
-        None when the ranks are not all on this host."""
-        return cls(slot_bytes) if same_host() else None
+        None when the ranks are not all on this host, or the slots do not fit in memory."""
+        mapped = shared_memory(2 * slot_bytes) if same_host() else None
+        return cls(slot_bytes, mapped) if mapped is not None else None
 
     @classmethod
     def reuse(cls, current: NodeBuckets | None | bool, slot_bytes: int):

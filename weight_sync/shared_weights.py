@@ -30,18 +30,12 @@ ALIGN = 64  # bytes: each parameter starts on a cache line
 class SharedWeights:
     """`views`: every engine parameter name (aliases included) -> its tensor in shared memory."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], spec: TPSpec):
+    def __init__(self, params: Mapping[str, torch.Tensor], spec: TPSpec, first: dict[int, str],
+                 offsets: dict[str, int], mapped: tuple):
         import torch.distributed as dist
 
         self.spec, self.rank, self.world = spec, dist.get_rank(), dist.get_world_size()
-        first: dict[int, str] = {}  # storage -> the first name it has
-        for name, p in params.items():
-            first.setdefault(p.data_ptr(), name)
-        offsets, end = {}, 0
-        for name in first.values():
-            offsets[name] = end
-            end += -(-params[name].numel() * params[name].element_size() // ALIGN) * ALIGN
-        self._map, memory = shared_memory(max(end, ALIGN))
+        self._map, memory = mapped
         shared = {}
         for name, offset in offsets.items():
             p = params[name]
@@ -56,8 +50,19 @@ class SharedWeights:
 
     @classmethod
     def create(cls, params: Mapping[str, torch.Tensor], spec: TPSpec) -> SharedWeights | None:
-        """Collective over the trainer world; None unless every rank is on this host."""
-        return cls(params, spec) if same_host() else None
+        """Collective over the trainer world; None unless every rank is on this host and the
+        weights fit in shared memory."""
+        if not same_host():
+            return None
+        first: dict[int, str] = {}  # storage -> the first name it has
+        for name, p in params.items():
+            first.setdefault(p.data_ptr(), name)
+        offsets, end = {}, 0
+        for name in first.values():
+            offsets[name] = end
+            end += -(-params[name].numel() * params[name].element_size() // ALIGN) * ALIGN
+        mapped = shared_memory(max(end, ALIGN))
+        return None if mapped is None else cls(params, spec, first, offsets, mapped)
 
     def write(self, module: torch.nn.Module, aliases: Mapping[str, str]) -> int:
         """Write this rank's shard of every parameter of `module` (HF names; `aliases`: extra

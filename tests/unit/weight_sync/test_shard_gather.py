@@ -9,6 +9,8 @@ SharedWeights: each rank writes its shards straight into engine-layout weights (
 padded and tied vocab) shared by both; a parameter never sent fails the write on every rank."""
 import socket
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -87,6 +89,10 @@ def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
     try:
         if mode == "two_hosts" and rank == 1:
             socket.gethostname = lambda: "another-host"
+        if mode == "no_room":
+            import weight_sync.node_buckets as nb
+
+            nb._create = lambda path, nbytes: False  # /dev/shm too small (rank 0 decides)
         fulls = full_tensors()
         params = ([shard(f, rank, world) for f in fulls] if mode == "zero3"
                   else [torch.nn.Parameter(f.clone()) for f in fulls])
@@ -95,7 +101,7 @@ def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
         assert len(layout.buckets) >= 3, "three buckets or more: both slots get reused"
         slot = max(b.nbytes for b in layout.buckets) + 8
         shared = NodeBuckets.create(slot)
-        if mode == "two_hosts":
+        if mode in ("two_hosts", "no_room"):
             out[f"{rank}:created"] = shared is not None
             return
         assert NodeBuckets.reuse(shared, slot) is shared  # big enough: kept
@@ -140,8 +146,17 @@ def test_parameters_kept_whole_are_split_between_the_writers():
         assert torch.equal(got[f"1:p{i}"], full), i
 
 
-def test_ranks_on_two_hosts_get_none():
-    assert spawn("two_hosts") == {"0:created": False, "1:created": False}
+@pytest.mark.parametrize("mode", ["two_hosts", "no_room"])
+def test_ranks_on_two_hosts_or_without_room_get_none(mode):
+    assert spawn(mode) == {"0:created": False, "1:created": False}
+
+
+def test_a_file_that_does_not_fit_is_refused_and_removed(tmp_path):
+    from weight_sync.node_buckets import _create
+
+    path = tmp_path / "slots"
+    assert not _create(str(path), 2**60) and not path.exists()  # an exabyte: no file system
+    assert _create(str(path), 4096) and path.stat().st_size == 4096
 
 
 HF_SHAPES = {"model.embed_tokens.weight": (100, 16), "model.layers.0.self_attn.q_proj.weight": (16, 16),
