@@ -12,10 +12,10 @@
                   bytes / the bandwidth of a bare broadcast of the same bytes in the same bucket
                   size over the same group.
    Printed as sync / limit (target <= 2x). Syncs are timed without the probe check. Beside them,
-   the two ends' own floors: a bare ZeRO-3 gather with DeepSpeed (no consumer) and a bare engine
-   load of the same tensors from memory (a copy into the parameters; vLLM's reload, which
-   re-packs CPU linear weights for oneDNN, with rollout.cpu_linear=packed), and the sync's own
-   phase breakdown (gather, checksum, wire, load).
+   two floors of the paths the sync falls back to: a bare ZeRO-3 gather with DeepSpeed (what
+   GPU or multi-host trainers do) and a bare engine load of the same tensors from memory (a
+   copy into the parameters; vLLM's reload, which re-packs CPU linear weights for oneDNN, with
+   rollout.cpu_linear=packed); and the sync's own phases (write, gather, checksum, wire, load).
 2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
    mean over --steps steps after the first (warm-up cached after the first run).
 """
@@ -32,7 +32,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def phases(metrics: dict) -> str:
-    """The sync's own breakdown (gather, checksum, wire, load), as 'name 0.12s' pairs."""
+    """The sync's own phases (write, gather, checksum, wire, load), as 'name 0.12s' pairs."""
     return "  ".join(f"{k.removeprefix('sync/').removesuffix('_seconds')} {v:.3f}s"
                      for k, v in metrics.items() if k.endswith("_seconds") and k != "sync/seconds")
 
@@ -127,8 +127,8 @@ def main() -> None:
         print(f"{r['placement']:<14}{r['sync_s']:>9.3f}{r['sync_s_median']:>9.3f}"
               f"{r['limit_s']:>9.3f}  {r['limit']:<16}{r['GBps_limit']:>6.2f}{r['ratio']:>12.2f}"
               f"{r['probe_diff']:>10.1e}")
-    print(f"\nthe ends' own floors, measured beside: a bare DeepSpeed ZeRO-3 gather of every "
-          f"parameter, a bare engine load of the same bytes from memory")
+    print("\nfloors of the fallback paths, measured beside: a bare DeepSpeed ZeRO-3 gather of "
+          "every parameter, a bare engine load of the same bytes from memory")
     print(f"{'placement':<14}{'gather s':>10}{'load s':>10}{'sync/(gather+load)':>20}")
     for r in rows:
         print(f"{r['placement']:<14}{r['gather_s']:>10.3f}{r['reload_s']:>10.3f}"

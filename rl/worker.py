@@ -114,7 +114,8 @@ class TrainerRole(Role):
 
     trainer = critic = None
     # the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets), made on the
-    # first sync; False when the ranks span several machines or train on GPUs
+    # first sync; False when the ranks span several machines, train on GPUs, or /dev/shm is
+    # too small
     shared_slots = None
     engine_layout = None  # the engines' packed layout (weight_sync.in_place), when they have one
 
@@ -180,7 +181,8 @@ class TrainerRole(Role):
 
     def send_weights(self, version: int, bucket_bytes: int, checksum: str,
                      corrupt_bucket: int | None = None) -> dict:
-        """Disaggregated sync, sending side: every rank gathers, rank 0 broadcasts."""
+        """Disaggregated sync, sending side: every rank helps assemble each bucket (shared
+        memory, or a gather), rank 0 broadcasts it."""
         import time
 
         from weight_sync.transport import BroadcastTransport
@@ -381,7 +383,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     def _write_shared_weights(self):
         import time
 
-        from weight_sync.buckets import SyncStats, tied_head_alias
+        from weight_sync.buckets import SyncStats, full_numel, tied_head_alias
 
         module = self.trainer.module
         stats = SyncStats()
@@ -389,8 +391,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         self.shared_weights.write(module, tied_head_alias(module))
         self.engine.reset_prefix_cache()
         stats.add_time("write", time.perf_counter() - t0)
-        stats.bytes = sum((p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size()
-                          for p in module.parameters())
+        stats.bytes = sum(full_numel(p) * p.element_size() for p in module.parameters())
         return stats
 
     def _load_buckets(self, version: int, bucket_bytes: int):

@@ -14,15 +14,24 @@ from typing import Iterator
 import torch
 
 
-def _numel(p: torch.nn.Parameter) -> int:
+def full_numel(p: torch.nn.Parameter) -> int:
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3 keeps the full size here
+
+
+def full_shape(p: torch.nn.Parameter) -> list[int]:
+    return list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)  # ZeRO-3 keeps it here
+
+
+def names_for(name: str, aliases: dict[str, str]) -> list[str]:
+    """`name` and every alias that stands for it (see `tied_head_alias`)."""
+    return [name] + [alias for alias, source in aliases.items() if source == name]
 
 
 def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int):
     """Split parameters, in order, into buckets of at most bucket_bytes (a larger tensor alone)."""
     buckets, current, size = [], [], 0
     for name, p in named_params:
-        nbytes = _numel(p) * p.element_size()
+        nbytes = full_numel(p) * p.element_size()
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0

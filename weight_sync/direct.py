@@ -18,10 +18,11 @@ from typing import Iterable, Mapping
 
 import torch
 
-from weight_sync.resharding import TPSpec, is_vocab, local_param_slot, shard_range
+from weight_sync.resharding import TPSpec, local_param_slot, sent_rows
 
 # model_type values of the architectures whose names resharding's rules cover
 DIRECT_MODEL_TYPES = ("qwen2", "llama")
+RELOAD_HINT = "load this model through vLLM's reload instead (rollout.cpu_linear=packed on CPU)"
 
 
 class DirectLoadError(ValueError):
@@ -30,45 +31,46 @@ class DirectLoadError(ValueError):
 
 class DirectLoad:
     """`load(iterator of (HF name, tensor))` into `params` (the engine's tensors by vLLM name,
-    aliases included, e.g. a tied `lm_head.weight`); every parameter must be filled each call."""
+    aliases included, e.g. a tied `lm_head.weight`); every parameter must be filled each call.
+    Names that share storage (a tied head) are one parameter: filled once, by either name."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], spec: TPSpec, tp_rank: int = 0):
         self.params, self.spec, self.tp_rank = dict(params), spec, tp_rank
-        self._unique = {id(p): name for name, p in self.params.items()}  # one name per storage
+        self._unique: dict[int, str] = {}  # storage -> its first name
+        for name, p in self.params.items():
+            self._unique.setdefault(p.data_ptr(), name)
 
     @staticmethod
     def supports(model_type: str) -> bool:
         return model_type in DIRECT_MODEL_TYPES
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        filled: dict[int, dict[int, int]] = {}  # id(param) -> {row offset: rows}
-        expected: dict[int, int] = {}  # rows a param must get (the vocab's padding stays)
+        filled: dict[int, dict[int, int]] = {}  # storage -> {row offset: rows}
         with torch.no_grad():
             for name, tensor in weights:
                 target, offset = local_param_slot(name, self.spec)
                 param = self.params.get(target)
                 if param is None:
-                    raise DirectLoadError(
-                        f"{name!r} goes to engine parameter {target!r}, which the engine does "
-                        f"not have; load this model through vLLM's reload "
-                        f"(rollout.cpu_linear=packed on CPU)")
+                    raise DirectLoadError(f"{name!r} goes to engine parameter {target!r}, which "
+                                          f"the engine does not have; {RELOAD_HINT}")
                 rows = tensor.shape[0] if tensor.dim() else 1
                 if tensor.shape[1:] != param.shape[1:] or offset + rows > param.shape[0]:
                     raise DirectLoadError(
                         f"{name!r} {tuple(tensor.shape)} does not fit rows [{offset}, "
                         f"{offset + rows}) of engine parameter {target!r} "
                         f"{tuple(param.shape)}: the engine was built from another model config")
+                done = filled.setdefault(param.data_ptr(), {})
+                if offset in done:  # the other name of a tied head: same storage, same rows
+                    continue
                 param.narrow(0, offset, rows).copy_(tensor)
-                filled.setdefault(id(param), {})[offset] = rows
-                if is_vocab(name):  # padded to a multiple of 64 rows; the padding is not sent
-                    full = (self.spec.vocab_size,) + tuple(param.shape[1:])
-                    expected[id(param)] = shard_range(name, full, self.spec, self.tp_rank).length
-        self._check_complete(filled, expected)
+                done[offset] = rows
+        self._check_complete(filled)
 
-    def _check_complete(self, filled: dict[int, dict[int, int]], expected: dict[int, int]):
+    def _check_complete(self, filled: dict[int, dict[int, int]]) -> None:
         missing = []
         for key, name in self._unique.items():
-            want = expected.get(key, self.params[name].shape[0] if self.params[name].dim() else 1)
+            param = self.params[name]
+            want = sent_rows(name, param.shape[0] if param.dim() else 1, self.spec, self.tp_rank)
             got = sum(filled.get(key, {}).values())
             if got < want:
                 missing.append(f"{name} ({got}/{want} rows)")

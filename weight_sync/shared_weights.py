@@ -20,33 +20,29 @@ from typing import Mapping
 
 import torch
 
-from weight_sync.direct import DirectLoadError
+from weight_sync.buckets import full_shape, names_for
+from weight_sync.direct import RELOAD_HINT, DirectLoadError
+from weight_sync.in_place import EngineLayout
 from weight_sync.node_buckets import same_host, shard_part, shared_memory
-from weight_sync.resharding import TPSpec, is_vocab, local_param_slot
-
-ALIGN = 64  # bytes: each parameter starts on a cache line
+from weight_sync.resharding import TPSpec, local_param_slot
 
 
 class SharedWeights:
-    """`views`: every engine parameter name (aliases included) -> its tensor in shared memory."""
+    """`views`: every engine parameter name (aliases included) -> its tensor in shared memory,
+    laid out as `EngineLayout` packs the engine."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], spec: TPSpec, first: dict[int, str],
-                 offsets: dict[str, int], mapped: tuple):
+    def __init__(self, params: Mapping[str, torch.Tensor], spec: TPSpec, layout: EngineLayout,
+                 mapped: tuple):
         import torch.distributed as dist
 
         self.spec, self.rank, self.world = spec, dist.get_rank(), dist.get_world_size()
         self._map, memory = mapped
-        shared = {}
-        for name, offset in offsets.items():
-            p = params[name]
-            view = memory[offset:offset + p.numel() * p.element_size()].view(p.dtype)
-            shared[name] = view.view(p.shape)
-            if self.rank == 0:
-                shared[name].copy_(p)  # the padding rows (never sent) keep the engine's values
+        self.views = layout.views(memory)
+        if self.rank == 0:  # the vocab's padding rows are never sent: they keep these values
+            for meta in layout.tensors:
+                self.views[meta.name].copy_(params[meta.name])
         dist.barrier()
-        self.views = {name: shared[first[p.data_ptr()]] for name, p in params.items()}
-        # every element a sync must write: all of each parameter but the vocab's padding rows
-        self.expected = sum(_sent_numel(name, view, spec) for name, view in shared.items())
+        self.expected = layout.sent_numel(spec)
 
     @classmethod
     def create(cls, params: Mapping[str, torch.Tensor], spec: TPSpec) -> SharedWeights | None:
@@ -54,15 +50,31 @@ class SharedWeights:
         weights fit in shared memory."""
         if not same_host():
             return None
-        first: dict[int, str] = {}  # storage -> the first name it has
-        for name, p in params.items():
-            first.setdefault(p.data_ptr(), name)
-        offsets, end = {}, 0
-        for name in first.values():
-            offsets[name] = end
-            end += -(-params[name].numel() * params[name].element_size() // ALIGN) * ALIGN
-        mapped = shared_memory(max(end, ALIGN))
-        return None if mapped is None else cls(params, spec, first, offsets, mapped)
+        layout = EngineLayout.of(params)
+        mapped = shared_memory(max(layout.nbytes, 64))
+        return None if mapped is None else cls(params, spec, layout, mapped)
+
+    def _targets(self, name: str, p: torch.nn.Parameter, aliases: dict[str, str]):
+        """[(engine view, row offset)] where trainer parameter `name` goes, each storage once;
+        checked before anything is written, alike on every rank (a raise on some ranks only
+        would leave the others waiting in the all-reduce)."""
+        shape, out, seen = full_shape(p), [], set()
+        for target_name in names_for(name, aliases):
+            target, offset = local_param_slot(target_name, self.spec)
+            view = self.views.get(target)
+            if view is None:
+                raise DirectLoadError(f"{target_name!r} goes to engine parameter {target!r}, "
+                                      f"which the engine does not have; {RELOAD_HINT}")
+            rows = shape[0] if shape else 1
+            if list(view.shape[1:]) != shape[1:] or offset + rows > (view.shape[0] if view.dim()
+                                                                      else 1):
+                raise DirectLoadError(f"{name!r} {shape} does not fit rows [{offset}, "
+                                      f"{offset + rows}) of engine parameter {target!r} "
+                                      f"{list(view.shape)}: the models differ")
+            if view.data_ptr() not in seen:  # a head the engine ties too: written once
+                seen.add(view.data_ptr())
+                out.append((view, offset, rows))
+        return out
 
     def write(self, module: torch.nn.Module, aliases: Mapping[str, str]) -> int:
         """Write this rank's shard of every parameter of `module` (HF names; `aliases`: extra
@@ -70,22 +82,13 @@ class SharedWeights:
         all ranks wrote, after checking that they cover every engine parameter."""
         import torch.distributed as dist
 
+        params = list(module.named_parameters())
+        plan = [(p, self._targets(name, p, dict(aliases))) for name, p in params]
         written = 0
         with torch.no_grad():
-            for name, p in module.named_parameters():
+            for p, targets in plan:
                 part, start = shard_part(p, self.rank, self.world)
-                targets = [name] + [a for a, source in aliases.items() if source == name]
-                seen = set()
-                for target_name in targets:
-                    target, offset = local_param_slot(target_name, self.spec)
-                    view = self.views.get(target)
-                    if view is None:
-                        raise DirectLoadError(f"{target_name!r} goes to engine parameter "
-                                              f"{target!r}, which the engine does not have")
-                    if view.data_ptr() in seen:  # a head the engine ties too: same storage
-                        continue
-                    seen.add(view.data_ptr())
-                    rows = _full_rows(p)
+                for view, offset, rows in targets:
                     flat = view.narrow(0, offset, rows).reshape(-1) if view.dim() else view
                     flat[start:start + part.numel()].copy_(part)
                     written += part.numel()
@@ -97,15 +100,3 @@ class SharedWeights:
                 f"the engine has {self.expected}: the trainer and engine models differ (a "
                 f"parameter missing on one side, or a tied head the trainer does not send)")
         return int(total)
-
-
-def _sent_numel(name: str, view: torch.Tensor, spec: TPSpec) -> int:
-    if view.dim() == 0:
-        return 1
-    rows = min(view.shape[0], spec.vocab_size) if is_vocab(name) else view.shape[0]
-    return rows * (view.numel() // view.shape[0])
-
-
-def _full_rows(p: torch.nn.Parameter) -> int:
-    shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-    return shape[0] if shape else 1

@@ -1,14 +1,18 @@
 """One interface for moving a policy version from the trainer ranks into rollout engines.
 
-`send(module, version)` runs on every trainer rank (ZeRO-3 gathers are collective);
+`send(module, version)` runs on every trainer rank (assembling a bucket is collective);
 `receive(load_weights, version)` runs beside each engine, with its `load_weights(iterator of
 (name, tensor))`. Two transports implement it:
 
-- `LocalTransport` (colocated): the engine lives in the trainer's process and reads the gathered
-  weights straight from the trainer's iterator; one in-process copy.
+- `LocalTransport` (colocated, when the engines cannot share one copy of their weights, see
+  `weight_sync.shared_weights`): the engine lives in the trainer's process and reads each bucket
+  straight from the trainer's iterator: assembled in shared memory by the ranks of one CPU host
+  (`NodeBuckets`), else gathered by DeepSpeed.
 - `BroadcastTransport` (disaggregated): trainer rank 0 broadcasts over a `CollectiveGroup` to
-  every engine: one `SyncLayout` message, then flat checksummed buckets back to back, gathering
-  bucket k+1 from ZeRO-3 while bucket k is on the wire. No per-parameter call, no disk.
+  every engine: one `SyncLayout` message, then flat checksummed buckets back to back,
+  assembling bucket k+1 while bucket k is on the wire. Buckets cut from the engines' packed
+  layout land straight in their parameters (`weight_sync.in_place`). No per-parameter call, no
+  disk.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from weight_sync.buckets import SyncStats, gathered, iter_full_weights, tied_head_alias
+from weight_sync.buckets import (SyncStats, full_shape, gathered, iter_full_weights,
+                                 tied_head_alias)
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
 from weight_sync.in_place import EngineLayout, plan_in_place
@@ -65,7 +70,7 @@ class LocalTransport(WeightTransport):
         stats = SyncStats()
         aliases = tied_head_alias(module)
         layout = _plan(module, self.bucket_bytes, version, "none", aliases)
-        self.shared = _shared_slots(self.shared, module, layout)
+        self.shared = _shared_slots(self.shared, module, layout, alone_too=False)
         if self.shared:
             weights = _node_weights(module, layout, self.shared, stats, self.keeps_views)
         else:
@@ -88,15 +93,18 @@ class LocalTransport(WeightTransport):
 
 def _plan(module: torch.nn.Module, bucket_bytes: int, version: int, checksum: str,
           aliases: dict[str, str]) -> SyncLayout:
-    return plan_layout([(n, _full_shape(p), p.dtype) for n, p in module.named_parameters()],
+    return plan_layout([(n, full_shape(p), p.dtype) for n, p in module.named_parameters()],
                        bucket_bytes, version, checksum, aliases)
 
 
 def _shared_slots(shared: NodeBuckets | None | bool, module: torch.nn.Module,
-                  layout: SyncLayout):
-    """Shared-memory slots for this layout on a CPU trainer, else False (collective)."""
-    if shared is False or not layout.buckets or not torch.distributed.is_initialized() \
-            or next(module.parameters()).device.type != "cpu":
+                  layout: SyncLayout, alone_too: bool = True):
+    """Shared-memory slots for this layout on a CPU trainer, else False (collective).
+    `alone_too=False`: not for a single rank, whose parameters are already whole."""
+    dist = torch.distributed
+    if shared is False or not layout.buckets or not dist.is_initialized() \
+            or next(module.parameters()).device.type != "cpu" \
+            or (not alone_too and dist.get_world_size() == 1):
         return False
     return NodeBuckets.reuse(shared, max(b.nbytes for b in layout.buckets) + TRAILER)
 
@@ -127,10 +135,6 @@ def _node_weights(module: torch.nn.Module, layout: SyncLayout, shared: NodeBucke
         views = unflatten(slot, bucket)
         yield from _with_aliases(((n, t.clone() if copy else t) for n, t in views),
                                  layout.aliases)
-
-
-def _full_shape(p: torch.nn.Parameter) -> list[int]:
-    return list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)  # ZeRO-3 keeps it here
 
 
 def _shards_to_rank0(params: list[torch.nn.Parameter]) -> bool:
@@ -215,9 +219,9 @@ class BroadcastTransport(WeightTransport):
         """In-place buckets when the engines' layout is known and the ranks share memory; else
         buckets of the trainer's own tensors (collective: every rank decides alike)."""
         aliases = tied_head_alias(module)
-        if self.engine is not None:
+        if self.engine is not None and self.shared is not False:
             engine, spec = self.engine
-            trainer = [(n, _full_shape(p)) for n, p in module.named_parameters()]
+            trainer = [(n, full_shape(p)) for n, p in module.named_parameters()]
             buckets = plan_in_place(engine, trainer, aliases, spec, self.bucket_bytes)
             layout = SyncLayout(version, self.checksum, buckets, {}, engine.digest())
             self.shared = _shared_slots(self.shared, module, layout)
@@ -308,13 +312,15 @@ class BroadcastTransport(WeightTransport):
         in_place = bool(layout.in_place)
         if in_place and (packed is None or packed[0] != layout.in_place):
             errors.append(f"the trainer cut buckets for engine layout {layout.in_place}, this "
-                          f"engine's is {packed[0] if packed else 'not packed'}")
+                          f"engine's is {packed[0] if packed else 'not packed'}: the engines "
+                          f"were restarted or differ; start them through the placement's "
+                          f"init_rollout, which packs every engine and tells the trainers")
             in_place = False  # receive into scratch memory, so the sender can finish
         check = get_checksum(layout.checksum)
         stats = SyncStats()
 
         pool = []
-        if not keeps_views and layout.buckets:
+        if not keeps_views and not in_place and layout.buckets:
             size = max(b.nbytes for b in layout.buckets) + TRAILER
             pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
 
@@ -333,9 +339,12 @@ class BroadcastTransport(WeightTransport):
                 buffer, work = pending
                 t0 = time.perf_counter()
                 work.wait()
-                sent = read_trailer(buffer, bucket)
+                # in place, bucket k+1 overwrites this trailer; elsewhere reading it before
+                # posting k+1 would make a GPU wait before the next broadcast is queued
+                sent = read_trailer(buffer, bucket) if in_place else None
                 pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
                 t1 = time.perf_counter()
+                sent = read_trailer(buffer, bucket) if sent is None else sent
                 got = as_int64(check(buffer[:bucket.nbytes]))
                 stats.add_time("wire", t1 - t0)
                 stats.add_time("checksum", time.perf_counter() - t1)

@@ -4,7 +4,6 @@ engines in actors of their own, weights broadcast over gloo from trainer rank 0.
 A sync after a real update makes every engine score the probe like the trainer (tied-embedding
 model); a flipped byte on the wire is caught, the engine refuses to generate until a good
 sync; and a short rl-train run matches the colocated run with the same seed."""
-import json
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from rl.config import load_config
 from rl.controller import Controller

@@ -80,7 +80,8 @@ def _tiny():
     params = {f"{ATTN}.qkv_proj.weight": torch.zeros(3 * 16, HIDDEN),
               "model.norm.weight": torch.zeros(HIDDEN)}
     embed = torch.zeros(128, HIDDEN)  # vocab 100 padded to 128
-    params.update({"model.embed_tokens.weight": embed, "lm_head.weight": embed})  # tied alias
+    # tied: one storage under two tensor objects, as the engine's `p.data` hands them out
+    params.update({"model.embed_tokens.weight": embed, "lm_head.weight": embed.view_as(embed)})
     return spec, hf, params
 
 

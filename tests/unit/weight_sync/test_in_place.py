@@ -89,3 +89,61 @@ def test_layout_round_trips_and_its_digest_tells_layouts_apart():
     layout = EngineLayout.of(engine_params())
     assert EngineLayout.decode(layout.encode()) == layout
     assert EngineLayout.of(engine_params(torch.bfloat16)).digest() != layout.digest()
+
+
+class _InstantGroup:
+    """Stands in for a CollectiveGroup on the receiving side: each broadcast is complete the moment
+    it is posted (the worst case for a trailer that the next bucket overwrites)."""
+
+    device = "cpu"
+
+    def __init__(self, layout_bytes: bytes, payloads: list[torch.Tensor]):
+        self.layout_bytes, self.payloads = layout_bytes, list(payloads)
+
+    def broadcast_bytes(self, data):
+        return self.layout_bytes
+
+    def broadcast(self, buffer):
+        buffer.copy_(self.payloads.pop(0))
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+def _wire(buckets, flat_sent, corrupt=None):
+    """Each bucket as the sender puts it on the wire: its bytes, then its sum64 trailer."""
+    from weight_sync.checksums import sum64
+    from weight_sync.layout import write_trailer
+
+    out = []
+    for k, b in enumerate(buckets):
+        buf = torch.zeros(b.nbytes + TRAILER, dtype=torch.uint8)
+        buf[:b.nbytes] = flat_sent[b.start:b.start + b.nbytes]
+        write_trailer(buf, b, sum64(buf[:b.nbytes]))
+        if k == corrupt:
+            buf[0] ^= 0x5A
+        out.append(buf)
+    return out
+
+
+@pytest.mark.parametrize("corrupt", [None, 1])
+def test_the_receiver_lands_buckets_in_place_and_checks_each_before_the_next_overwrites(corrupt):
+    from weight_sync.layout import SyncLayout
+    from weight_sync.transport import BroadcastTransport, WeightSyncError
+
+    hf, params = hf_tensors(), engine_params()
+    layout = EngineLayout.of(params)
+    buckets, sent = send_in_place(layout, hf, 900)
+    assert len(buckets) > 2
+    message = SyncLayout(3, "sum64", buckets, {}, layout.digest()).encode()
+    flat, _ = layout.pack(params)  # the engine's packed (old) weights
+    group = _InstantGroup(message, _wire(buckets, sent, corrupt))
+    transport = BroadcastTransport(group, 0)
+    loads = []
+    if corrupt is None:
+        transport.receive(loads.append, 3, keeps_views=False, packed=(layout.digest(), flat))
+        assert torch.equal(flat[:layout.nbytes], sent[:layout.nbytes]) and not loads
+    else:
+        with pytest.raises(WeightSyncError, match=r"bucket 1/\d+ .* failed its sum64 check"):
+            transport.receive(loads.append, 3, keeps_views=False, packed=(layout.digest(), flat))
+    with pytest.raises(WeightSyncError, match="cut buckets for engine layout .* not packed"):
+        BroadcastTransport(_InstantGroup(message, _wire(buckets, sent)), 0).receive(
+            loads.append, 3, keeps_views=False, packed=None)

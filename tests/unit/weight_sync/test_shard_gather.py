@@ -172,7 +172,8 @@ def hf_model() -> dict[str, torch.Tensor]:
 def engine_params() -> dict[str, torch.Tensor]:
     """A vLLM-style engine: fused q/k/v, vocab padded to 128 rows, the head tied to it."""
     embed = torch.zeros(128, 16)
-    return {"model.embed_tokens.weight": embed, "lm_head.weight": embed,
+    embed[100:] = 7.0  # padding rows: never sent, they must keep the engine's values
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": embed.view_as(embed),
             "model.layers.0.self_attn.qkv_proj.weight": torch.zeros(32, 16),
             "model.norm.weight": torch.zeros(16)}
 
@@ -239,7 +240,7 @@ def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
         assert torch.equal(got[f"{rank}:model.layers.0.self_attn.qkv_proj.weight"], qkv)
         assert torch.equal(got[f"{rank}:model.embed_tokens.weight"][:100],
                            hf["model.embed_tokens.weight"])
-        assert not got[f"{rank}:model.embed_tokens.weight"][100:].any(), "padding rows kept"
+        assert (got[f"{rank}:model.embed_tokens.weight"][100:] == 7.0).all(), "padding kept"
         assert torch.equal(got[f"{rank}:model.norm.weight"], hf["model.norm.weight"])
 
 
