@@ -63,3 +63,10 @@ def test_every_recipe_loads_and_opens_with_its_command(recipe):
 
 def test_recipes_exist():
     assert any(r.name == "quickstart.yaml" for r in RECIPES)
+
+
+def test_every_placement_the_config_accepts_has_a_class():
+    from rl import placement
+    from rl.config import PLACEMENTS
+
+    assert set(placement.PLACEMENTS) == set(PLACEMENTS)  # the two lists of names stay in step
