@@ -123,9 +123,9 @@ class Colocated(Placement):
 
         results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe,
                                                   self.cfg.sync.tolerance) for w in self.trainers])
-        # the slowest rank's times; direct_load is 1 only if every engine placed directly
-        return {k: (min if k == "sync/direct_load" else max)(r[k] for r in results)
-                for k in results[0]}
+        # the slowest rank's times; a path flag is 1 only if every rank took that path
+        flags = ("sync/direct_load", "sync/shared_weights")
+        return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
 
 
 class Disaggregated(Placement):

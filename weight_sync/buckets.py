@@ -22,6 +22,13 @@ def full_shape(p: torch.nn.Parameter) -> list[int]:
     return list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)  # ZeRO-3 keeps it here
 
 
+def is_world_shard(p: torch.nn.Parameter, world: int) -> bool:
+    """A ZeRO-3 parameter whose `ds_tensor` is this rank's equal part of the whole trainer
+    world (DeepSpeed pads the flattened tensor to world parts; not hpZ/MiCS sub-groups)."""
+    ds = getattr(p, "ds_tensor", None)
+    return ds is not None and ds.numel() * world == getattr(p, "ds_numel_aligned", -1)
+
+
 def names_for(name: str, aliases: dict[str, str]) -> list[str]:
     """`name` and every alias that stands for it (see `tied_head_alias`)."""
     return [name] + [alias for alias, source in aliases.items() if source == name]
@@ -96,9 +103,6 @@ def iter_full_weights(module: torch.nn.Module, bucket_bytes: int, aliases: dict[
         for name, tensor in out:
             stats.num_tensors += 1
             stats.bytes += tensor.numel() * tensor.element_size()
-            stats.names.append(name)
-            yield name, tensor
-            for alias, source in aliases.items():
-                if source == name:
-                    stats.names.append(alias)
-                    yield alias, tensor
+            for each in names_for(name, aliases):
+                stats.names.append(each)
+                yield each, tensor

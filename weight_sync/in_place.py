@@ -91,13 +91,14 @@ class EngineLayout:
         return total
 
 
-def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
-                  trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int
-                  ) -> list[BucketMeta]:
-    """Buckets that tile the engine's buffer, each TensorMeta an HF tensor (named as the trainer
-    names it; shape as sent, dtype as stored) at its offset in its bucket."""
+def place_in_engine(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
+                    trainer_aliases: Mapping[str, str], spec: TPSpec
+                    ) -> tuple[list[TensorMeta], dict[str, int]]:
+    """Each HF tensor (named as the trainer names it; shape as sent, dtype as stored) at its
+    byte offset in the engine's buffer, a tied head once; and the bytes each stored parameter
+    gets. A tensor without a place, or that does not fit it, is an error."""
     stored = {m.name: m for m in engine.tensors}
-    placed: list[tuple[int, TensorMeta]] = []
+    placed: list[TensorMeta] = []
     covered: dict[str, int] = {}
     for name, shape in trainer:
         seen = set()
@@ -112,12 +113,21 @@ def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
                 continue
             seen.add(target)
             row_bytes = meta.nbytes // meta.shape[0] if meta.shape else meta.nbytes
-            sent = TensorMeta(name, list(shape), meta.dtype, 0)
+            sent = TensorMeta(name, list(shape), meta.dtype, meta.offset + row * row_bytes)
             if row * row_bytes + sent.nbytes > meta.nbytes or list(shape[1:]) != meta.shape[1:]:
                 raise DirectLoadError(f"{target_name!r} {list(shape)} does not fit engine "
                                       f"parameter {target!r} {meta.shape} at row {row}")
-            placed.append((meta.offset + row * row_bytes, sent))
+            placed.append(sent)
             covered[target] = covered.get(target, 0) + sent.nbytes
+    return placed, covered
+
+
+def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
+                  trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int
+                  ) -> list[BucketMeta]:
+    """Buckets that tile the engine's buffer, each TensorMeta an HF tensor (see
+    `place_in_engine`) at its offset in its bucket; every byte but the padding covered."""
+    placed, covered = place_in_engine(engine, trainer, trainer_aliases, spec)
     for meta in engine.tensors:
         rows = meta.shape[0] if meta.shape else 1
         want = meta.nbytes // rows * sent_rows(meta.name, rows, spec)
@@ -125,10 +135,11 @@ def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
             raise DirectLoadError(f"the trainer's tensors cover {covered.get(meta.name, 0)} of "
                                   f"the {want} bytes of engine parameter {meta.name!r}; the "
                                   f"trainer and engine models differ")
-    placed.sort(key=lambda item: item[0])
+    placed.sort(key=lambda sent: sent.offset)
     buckets: list[BucketMeta] = []
     start, current = 0, []
-    for offset, sent in placed:
+    for sent in placed:
+        offset = sent.offset
         # cut only at 8-byte boundaries: the checksum reads a bucket as 64-bit words
         if current and offset + sent.nbytes - start > bucket_bytes and offset % 8 == 0:
             buckets.append(BucketMeta(current, offset - start, start))

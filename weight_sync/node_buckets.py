@@ -27,7 +27,8 @@ import warnings
 
 import torch
 
-from weight_sync.layout import TRAILER, BucketMeta
+from weight_sync.buckets import is_world_shard
+from weight_sync.layout import TRAILER, BucketMeta, TensorMeta
 
 
 def _shm_dir() -> str:
@@ -36,9 +37,8 @@ def _shm_dir() -> str:
 
 def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tensor, int]:
     """(this rank's elements of the flattened full parameter, where they start in it)."""
-    ds = getattr(p, "ds_tensor", None)
-    if ds is not None and ds.numel() * world == getattr(p, "ds_numel_aligned", -1):
-        size, numel, source = ds.numel(), p.ds_numel, ds.view(-1)
+    if is_world_shard(p, world):
+        size, numel, source = p.ds_tensor.numel(), p.ds_numel, p.ds_tensor.view(-1)
     else:  # whole on every rank: each writes an equal range of its own copy
         if p.numel() == 0:
             raise RuntimeError(
@@ -52,6 +52,19 @@ def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tens
     start = rank * size
     count = max(0, min(size, numel - start))
     return source[:count], start
+
+
+def write_shards(memory: torch.Tensor, tensors: list[TensorMeta],
+                 params: list[torch.nn.Parameter], rank: int, world: int) -> int:
+    """Write this rank's part of each parameter to its tensor's place in `memory` (a uint8
+    buffer), viewed in the tensor's dtype (the copy casts); returns the elements written."""
+    written = 0
+    for p, meta in zip(params, tensors, strict=True):
+        part, start = shard_part(p, rank, world)
+        full = memory[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
+        full[start:start + part.numel()].copy_(part)
+        written += part.numel()
+    return written
 
 
 def same_host() -> bool:
@@ -157,17 +170,14 @@ class NodeBuckets:
             raise ValueError(f"bucket of {bucket.nbytes} bytes does not fit a slot of "
                              f"{self.slot_bytes}; create the NodeBuckets from this layout")
         slot = self.slots[index % 2][:bucket.nbytes + TRAILER]
-        end = 0
-        for p, meta in zip(params, bucket.tensors, strict=True):
-            if self.rank == 0:
-                slot[end:meta.offset].zero_()  # alignment gaps: defined bytes for checksums
-            part, start = shard_part(p, self.rank, self.world)
-            # the layout's dtype: the engine's own for in-place buckets (the copy casts)
-            full = slot[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
-            full[start:start + part.numel()].copy_(part)
-            end = meta.offset + meta.nbytes
-        if self.rank == 0:
+        if self.rank == 0:  # the gaps (alignment, padding rows): defined bytes for checksums
+            end = 0
+            for meta in bucket.tensors:
+                slot[end:meta.offset].zero_()
+                end = meta.offset + meta.nbytes
             slot[end:bucket.nbytes].zero_()
+        # in the layout's dtype: the engine's own for in-place buckets
+        write_shards(slot, bucket.tensors, params, self.rank, self.world)
         return slot
 
     @staticmethod

@@ -20,11 +20,11 @@ from typing import Mapping
 
 import torch
 
-from weight_sync.buckets import full_shape, names_for
-from weight_sync.direct import RELOAD_HINT, DirectLoadError
-from weight_sync.in_place import EngineLayout
-from weight_sync.node_buckets import same_host, shard_part, shared_memory
-from weight_sync.resharding import TPSpec, local_param_slot
+from weight_sync.buckets import full_shape
+from weight_sync.direct import DirectLoadError
+from weight_sync.in_place import EngineLayout, place_in_engine
+from weight_sync.node_buckets import same_host, shared_memory, write_shards
+from weight_sync.resharding import TPSpec
 
 
 class SharedWeights:
@@ -35,9 +35,10 @@ class SharedWeights:
                  mapped: tuple):
         import torch.distributed as dist
 
-        self.spec, self.rank, self.world = spec, dist.get_rank(), dist.get_world_size()
-        self._map, memory = mapped
-        self.views = layout.views(memory)
+        self.spec, self.layout = spec, layout
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._map, self._memory = mapped
+        self.views = layout.views(self._memory)
         if self.rank == 0:  # the vocab's padding rows are never sent: they keep these values
             for meta in layout.tensors:
                 self.views[meta.name].copy_(params[meta.name])
@@ -54,44 +55,21 @@ class SharedWeights:
         mapped = shared_memory(max(layout.nbytes, 64))
         return None if mapped is None else cls(params, spec, layout, mapped)
 
-    def _targets(self, name: str, p: torch.nn.Parameter, aliases: dict[str, str]):
-        """[(engine view, row offset)] where trainer parameter `name` goes, each storage once;
-        checked before anything is written, alike on every rank (a raise on some ranks only
-        would leave the others waiting in the all-reduce)."""
-        shape, out, seen = full_shape(p), [], set()
-        for target_name in names_for(name, aliases):
-            target, offset = local_param_slot(target_name, self.spec)
-            view = self.views.get(target)
-            if view is None:
-                raise DirectLoadError(f"{target_name!r} goes to engine parameter {target!r}, "
-                                      f"which the engine does not have; {RELOAD_HINT}")
-            rows = shape[0] if shape else 1
-            if list(view.shape[1:]) != shape[1:] or offset + rows > (view.shape[0] if view.dim()
-                                                                      else 1):
-                raise DirectLoadError(f"{name!r} {shape} does not fit rows [{offset}, "
-                                      f"{offset + rows}) of engine parameter {target!r} "
-                                      f"{list(view.shape)}: the models differ")
-            if view.data_ptr() not in seen:  # a head the engine ties too: written once
-                seen.add(view.data_ptr())
-                out.append((view, offset, rows))
-        return out
-
     def write(self, module: torch.nn.Module, aliases: Mapping[str, str]) -> int:
         """Write this rank's shard of every parameter of `module` (HF names; `aliases`: extra
         engine name -> trainer name, a tied head) in place; collective. Returns the elements
-        all ranks wrote, after checking that they cover every engine parameter."""
+        all ranks wrote, after checking that they cover every engine parameter.
+
+        Where each tensor goes is checked before anything is written, alike on every rank (a
+        raise on some ranks only would leave the others waiting in the all-reduce)."""
         import torch.distributed as dist
 
-        params = list(module.named_parameters())
-        plan = [(p, self._targets(name, p, dict(aliases))) for name, p in params]
-        written = 0
+        by_name = dict(module.named_parameters())
+        placed, _ = place_in_engine(self.layout, [(n, full_shape(p)) for n, p in by_name.items()],
+                                    aliases, self.spec)
         with torch.no_grad():
-            for p, targets in plan:
-                part, start = shard_part(p, self.rank, self.world)
-                for view, offset, rows in targets:
-                    flat = view.narrow(0, offset, rows).reshape(-1) if view.dim() else view
-                    flat[start:start + part.numel()].copy_(part)
-                    written += part.numel()
+            written = write_shards(self._memory, placed, [by_name[m.name] for m in placed],
+                                   self.rank, self.world)
         total = torch.tensor([written], dtype=torch.int64)
         dist.all_reduce(total)  # also the barrier: every rank has written its part
         if int(total) != self.expected:

@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from weight_sync.buckets import (SyncStats, full_shape, gathered, iter_full_weights,
-                                 tied_head_alias)
+from weight_sync.buckets import (SyncStats, full_shape, gathered, is_world_shard,
+                                 iter_full_weights, names_for, tied_head_alias)
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
 from weight_sync.in_place import EngineLayout, plan_in_place
@@ -111,10 +111,8 @@ def _shared_slots(shared: NodeBuckets | None | bool, module: torch.nn.Module,
 
 def _with_aliases(pairs, aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in pairs:
-        yield name, tensor
-        for alias, source in aliases.items():
-            if source == name:
-                yield alias, tensor
+        for each in names_for(name, aliases):
+            yield each, tensor
 
 
 def _node_weights(module: torch.nn.Module, layout: SyncLayout, shared: NodeBuckets,
@@ -147,10 +145,8 @@ def _shards_to_rank0(params: list[torch.nn.Parameter]) -> bool:
         return False
     world = dist.get_world_size()
     first = params[0]
-    return all(getattr(p, "ds_tensor", None) is not None
-               and p.ds_tensor.numel() * world == getattr(p, "ds_numel_aligned", -1)
-               and p.ds_tensor.device == first.ds_tensor.device and p.dtype == first.dtype
-               for p in params)
+    return all(is_world_shard(p, world) and p.ds_tensor.device == first.ds_tensor.device
+               and p.dtype == first.dtype for p in params)
 
 
 class ShardGather:
