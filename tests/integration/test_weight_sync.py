@@ -1,5 +1,7 @@
 """Sync round trip on 2 colocated workers (ZeRO-3 + vLLM each), with a tied-embedding model:
 after a real update the engine's logprobs differ from the trainer's; after the sync they agree."""
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -10,20 +12,29 @@ from rl.models import build_tiny_model
 from update.losses import BatchCounts
 
 
+@contextmanager
+def colocated(ray, tmp_path_factory, preset: str, seed: int, *overrides: str):
+    """2 colocated workers (0.5 CPU each), trainer and engine started from a fresh tiny model;
+    yields (workers, cfg) and stops them after."""
+    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
+                             "trainer.micro_batch_size=4", *overrides])
+    path = str(build_tiny_model(preset, seed=seed, out_dir=tmp_path_factory.mktemp("m") / "m"))
+    placement = Colocated(cfg)
+    try:
+        workers = placement.trainers
+        ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
+                 for w in workers])
+        ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+        yield workers, cfg
+    finally:
+        placement.stop()
+
+
 @pytest.fixture(scope="module")
 def tied_workers(ray_session, tmp_path_factory):
-    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
-                             "trainer.micro_batch_size=4", "sync.bucket_mb=0.05"])
-    path = str(build_tiny_model("tiny-llama-tied", seed=1,
-                                out_dir=tmp_path_factory.mktemp("m") / "tied"))
-    placement = Colocated(cfg)
-    workers = placement.trainers
-    ray = ray_session
-    ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
-             for w in workers])
-    ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
-    yield ray, workers, cfg
-    placement.stop()
+    with colocated(ray_session, tmp_path_factory, "tiny-llama-tied", 1,
+                   "sync.bucket_mb=0.05") as (workers, cfg):
+        yield ray_session, workers, cfg
 
 
 def max_diffs(ray, workers, probe):
@@ -69,16 +80,9 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
     engines cannot share them either: the 2 ranks assemble buckets in shared memory, and each
     engine takes copies of them through vLLM's layerwise reload; it must still reach the
     trainer's logprobs."""
-    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
-                             "trainer.micro_batch_size=4", "rollout.cpu_linear=packed"])
-    path = str(build_tiny_model("tiny-qwen2", seed=2, out_dir=tmp_path_factory.mktemp("m") / "q"))
-    placement = Colocated(cfg)
-    try:
-        ray = ray_session
-        workers = placement.trainers
-        ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
-                 for w in workers])
-        ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+    ray = ray_session
+    with colocated(ray, tmp_path_factory, "tiny-qwen2", 2, "rollout.cpu_linear=packed") as (
+            workers, cfg):
         probe = list(range(3, 60))
         update_once(ray, workers)
         assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update moved the policy
@@ -87,8 +91,6 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
             assert stats["sync/num_buckets"] > 1  # bounded buckets, not the whole model at once
             assert stats["sync/logprob_max_abs_diff"] <= 1e-3
         assert max(max_diffs(ray, workers, probe)) <= 1e-3
-    finally:
-        placement.stop()
 
 
 @pytest.mark.parametrize("stage, dtype, tolerance", [(2, "float32", 1e-3), (3, "bfloat16", 5e-2)])
@@ -96,17 +98,9 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, sta
                                               tolerance):
     """ZeRO-2 keeps parameters whole on every rank (each rank writes an equal range of them into
     the engines' shared weights); a bf16 trainer writes its bf16 shards into float32 engines."""
-    cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
-                             "trainer.micro_batch_size=4", f"trainer.zero_stage={stage}",
-                             f"trainer.dtype={dtype}", "sync.bucket_mb=0.05"])
-    path = str(build_tiny_model("tiny-qwen2", seed=3, out_dir=tmp_path_factory.mktemp("m") / "q"))
-    placement = Colocated(cfg)
-    try:
-        ray = ray_session
-        workers = placement.trainers
-        ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
-                 for w in workers])
-        ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+    ray = ray_session
+    with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
+                   f"trainer.dtype={dtype}", "sync.bucket_mb=0.05") as (workers, cfg):
         probe = list(range(3, 60))
         update_once(ray, workers)
         before = min(max_diffs(ray, workers, probe))
@@ -115,5 +109,3 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, sta
         assert after <= tolerance < before
         assert all(s["sync/direct_load"] == 1.0 and s["sync/shared_weights"] == 1.0
                    for s in stats)
-    finally:
-        placement.stop()

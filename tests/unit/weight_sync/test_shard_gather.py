@@ -38,7 +38,7 @@ def shard(full: torch.Tensor, rank: int, world: int) -> torch.nn.Parameter:
     return p
 
 
-def run(rank: int, world: int, port: int, out) -> None:
+def run(rank: int, world: int, port: int, mode: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
@@ -61,20 +61,25 @@ def run(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_shards_come_back_whole_on_rank_0():
+def spawn(target, mode: str = "") -> dict:
+    """Run target(rank, 2, port, mode, out) in two processes of one gloo world; returns out."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
-        procs = [ctx.Process(target=run, args=(r, 2, port, out)) for r in range(2)]
+        procs = [ctx.Process(target=target, args=(r, 2, port, mode, out)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(60)
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        got = dict(out)
+        return dict(out)
+
+
+def test_shards_come_back_whole_on_rank_0():
+    got = spawn(run)
     for i, full in enumerate(full_tensors()):
         assert torch.equal(got[f"p{i}"], full), i
 
@@ -117,38 +122,22 @@ def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
         dist.destroy_process_group()
 
 
-def spawn(mode: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        procs = [ctx.Process(target=run_node, args=(r, 2, port, mode, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return dict(out)
-
-
 def test_every_rank_reads_every_bucket_whole_from_its_shards():
-    got = spawn("zero3")
+    got = spawn(run_node, "zero3")
     for rank in range(2):
         for i, full in enumerate(full_tensors()):
             assert torch.equal(got[f"{rank}:p{i}"], full), (rank, i, SHAPES[i])
 
 
 def test_parameters_kept_whole_are_split_between_the_writers():
-    got = spawn("whole")
+    got = spawn(run_node, "whole")
     for i, full in enumerate(full_tensors()):
         assert torch.equal(got[f"1:p{i}"], full), i
 
 
 @pytest.mark.parametrize("mode", ["two_hosts", "no_room"])
 def test_ranks_on_two_hosts_or_without_room_get_none(mode):
-    assert spawn(mode) == {"0:created": False, "1:created": False}
+    assert spawn(run_node, mode) == {"0:created": False, "1:created": False}
 
 
 def test_a_file_that_does_not_fit_is_refused_and_removed(tmp_path):
@@ -217,24 +206,8 @@ def run_shared(rank: int, world: int, port: int, mode: str, out) -> None:
         dist.destroy_process_group()
 
 
-def spawn_shared(mode: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        procs = [ctx.Process(target=run_shared, args=(r, 2, port, mode, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return dict(out)
-
-
 def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
-    hf, got = hf_model(), spawn_shared("all")
+    hf, got = hf_model(), spawn(run_shared, "all")
     qkv = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     for rank in range(2):
         assert torch.equal(got[f"{rank}:model.layers.0.self_attn.qkv_proj.weight"], qkv)
@@ -245,7 +218,7 @@ def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
 
 
 def test_a_parameter_the_trainer_does_not_send_fails_the_write_on_every_rank():
-    got = spawn_shared("missing")
+    got = spawn(run_shared, "missing")
     # engine: vocab 100 x 16 (padding not counted) + qkv 32 x 16 + norm 16 = 2128; no v: -8 x 16
     for rank in range(2):
         assert "wrote 2000 elements of the shared engine weights, the engine has 2128" in \
