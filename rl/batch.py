@@ -1,8 +1,10 @@
 """Samples and the padded tensors the trainer consumes.
 
-Glossary: B samples, L = longest prompt + response in the micro-batch; token-level tensors are
-[B, L-1], aligned with the logprob of token t+1 given tokens <= t. A sample keeps its token-level
-values for the response only (length R); `collate` places them at [p-1, p+R-1).
+Glossary: B samples, P = longest prompt, R = longest response in the micro-batch, L = P + R.
+`collate` left-pads prompts and right-pads responses, so every response starts at column P:
+token-level tensors are response-only, [B, R], entry j belonging to response token j, and the
+trainer computes logits for the last R + 1 positions only (not the prompts', which for a real
+vocabulary are most of the logits' memory and time).
 """
 from __future__ import annotations
 
@@ -37,30 +39,33 @@ class Sample:
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict:
-    """Right-padded tensors for one micro-batch (token fields only where every sample has them)."""
-    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    """Padded tensors for one micro-batch (token fields only where every sample has them):
+    input_ids/attention_mask/position_ids [B, L] with prompts left-padded and responses
+    right-padded; response_mask and token fields [B, R]."""
+    p_max = max(len(s.prompt_ids) for s in samples)
+    r_max = max(len(s.response_ids) for s in samples)
     b = len(samples)
-    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, length), dtype=torch.long)
-    response_mask = torch.zeros((b, length - 1))
+    input_ids = torch.full((b, p_max + r_max), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p_max + r_max), dtype=torch.long)
+    response_mask = torch.zeros((b, r_max))
     present = [f for f in TOKEN_FIELDS if all(getattr(s, f) for s in samples)]
-    tokens = {f: torch.zeros((b, length - 1)) for f in present}
+    tokens = {f: torch.zeros((b, r_max)) for f in present}
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        attention_mask[i, :p + r] = 1
-        # logprob index t scores token t+1: response tokens sit at p .. p+r-1
-        response_mask[i, p - 1:p + r - 1] = 1.0
+        input_ids[i, p_max - p:p_max + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[i, p_max - p:p_max + r] = 1
+        response_mask[i, :r] = 1.0
         for f in present:
-            tokens[f][i, p - 1:p + r - 1] = torch.tensor(getattr(s, f), dtype=torch.float32)
+            tokens[f][i, :r] = torch.tensor(getattr(s, f), dtype=torch.float32)
+    # positions count real tokens only, as in the rollout engine (left pads do not shift them)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "response_mask": response_mask, **tokens}
+            "position_ids": position_ids, "response_mask": response_mask, **tokens}
 
 
 def response_slice(sample: Sample, row: torch.Tensor) -> list[float]:
-    """A sample's response part of a [L-1] token-level row, as a list."""
-    p, r = len(sample.prompt_ids), len(sample.response_ids)
-    return row[p - 1:p + r - 1].tolist()
+    """A sample's values from a [R] token-level row, as a list."""
+    return row[:len(sample.response_ids)].tolist()
 
 
 def chunk(items: list, parts: int) -> list[list]:

@@ -82,6 +82,10 @@ class AlgorithmConfig:
     "Optimizer steps per epoch over the rollout batch (the batch is split into this many)."
     ppo_epochs: int = 1
     "Passes over the rollout batch per step (old logprobs are computed once, before them)."
+    old_logprobs: str = "auto"
+    ("auto: when the update is one optimizer step on the batch (1 epoch, 1 mini-batch, no critic, "
+     "KL off or a loss term), old logprobs come from the training forward, detached, instead of a "
+     "pass of their own (as TRL does); pass: always a separate forward before the update.")
     dynamic_sampling: bool = False
     "DAPO: drop groups whose rewards are all equal and sample more prompts to fill the batch."
     max_sampling_rounds: int = 4
@@ -92,6 +96,13 @@ class AlgorithmConfig:
     "Reward subtracted at full length under overlong shaping."
     loss: LossConfig = field(default_factory=LossConfig)
     "Policy loss, clipping, aggregation, KL, entropy and TIS."
+
+    def one_pass(self) -> bool:
+        """Whether old logprobs come from the training forward (see old_logprobs): only when
+        they equal the current policy's there, and nothing before the update needs them."""
+        kl_in_reward = self.loss.kl_coef > 0 and not self.loss.use_kl_loss
+        return (self.old_logprobs == "auto" and self.ppo_epochs == 1
+                and self.num_mini_batches == 1 and not self.critic and not kl_in_reward)
 
 
 @dataclass
@@ -252,6 +263,8 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.cpu_linear not in CPU_LINEAR:
         raise ConfigError(f"rollout.cpu_linear={cfg.rollout.cpu_linear!r} is not known; use one "
                           f"of: {', '.join(CPU_LINEAR)}")
+    if algo.old_logprobs not in ("auto", "pass"):
+        raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs!r}: use auto or pass")
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):

@@ -13,6 +13,7 @@ from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
 from rl.rewarding import RewardScorer
+from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
 from update.losses import kl as kl_estimate
 
 
@@ -44,8 +45,10 @@ def response_mask(samples: list[Sample]) -> torch.Tensor:
 
 
 def reduce_rank_metrics(results: list[dict]) -> dict:
-    """Ranks return their shares of global means: sum them; grad norms are global already."""
-    return {k: (results[0][k] if k == "grad_norm" else sum(r[k] for r in results))
+    """Ranks return their shares of global means: sum them (maxima: the max); grad norms are
+    global already."""
+    return {k: (results[0][k] if k == "grad_norm" else
+                max(r[k] for r in results) if k in MAX_METRICS else sum(r[k] for r in results))
             for k in results[0]}
 
 
@@ -154,16 +157,15 @@ class Controller:
                         setattr(s, name, response_slice(s, tensor[i]))
         mask = response_mask(samples)
         old, rollout = padded(samples, "old_logprobs"), padded(samples, "rollout_logprobs")
-        n = mask.sum()
-        metrics = {"mismatch/max_abs_diff": float(((old - rollout).abs() * mask).max()),
-                   "mismatch/kl": float((kl_estimate(rollout, old, "k3") * mask).sum() / n)}
+        ref = padded(samples, "ref_logprobs") if samples[0].ref_logprobs else None
         loss_cfg = self.cfg.algorithm.loss
+        metrics = old_logprob_metrics(old, rollout, ref, mask,
+                                      BatchCounts(float(mask.sum()), float(len(samples))),
+                                      loss_cfg.kl_estimator)
         self.token_rewards = None
-        if samples[0].ref_logprobs:
-            kl_tok = kl_estimate(old, padded(samples, "ref_logprobs"), loss_cfg.kl_estimator) * mask
-            metrics["kl/mean"] = float(kl_tok.sum() / n)
-            if not loss_cfg.use_kl_loss:
-                self.token_rewards = -loss_cfg.kl_coef * kl_tok
+        if ref is not None and not loss_cfg.use_kl_loss:
+            self.token_rewards = -loss_cfg.kl_coef * kl_estimate(old, ref,
+                                                                 loss_cfg.kl_estimator) * mask
         return metrics
 
     def advantages(self, samples: list[Sample]) -> dict:
@@ -195,7 +197,8 @@ class Controller:
                 merged = reduce_rank_metrics(ray.get([w.train.remote(mb, counts)
                                                       for w, mb in zip(self.trainers, ranks)]))
                 for k, v in merged.items():
-                    totals[k] = totals.get(k, 0.0) + v / num_steps
+                    totals[k] = (max(totals.get(k, v), v) if k in MAX_METRICS
+                                 else totals.get(k, 0.0) + v / num_steps)
         totals["grad/norm"] = totals.pop("grad_norm")
         return totals
 
@@ -221,7 +224,10 @@ class Controller:
         batch = collect(self, step)
         samples, metrics = batch.samples, dict(batch.metrics)
         t1 = time.perf_counter()
-        metrics.update(self.prepare(samples))
+        if self.cfg.algorithm.one_pass():  # old logprobs and mismatch metrics come from update
+            self.token_rewards = None
+        else:
+            metrics.update(self.prepare(samples))
         metrics.update(self.advantages(samples))
         metrics.update(self.update(samples, step))
         t2 = time.perf_counter()

@@ -23,9 +23,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)  # start at V = 0 (as OpenRLHF's critic)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, position_ids=None):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state
+                               position_ids=position_ids, use_cache=False).last_hidden_state
         return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
 
 
@@ -43,10 +43,13 @@ class ValueTrainer:
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
 
     def _values(self, mb: dict) -> torch.Tensor:
-        """V at position t estimates the return of the tokens after t: [B, L-1], like logprobs."""
+        """V at position t estimates the return of the tokens after t: [B, R], like logprobs
+        (position P - 1, the prompt's last, values the first response token)."""
         dev = self.engine.device
-        values = self.engine(mb["input_ids"].to(dev), mb["attention_mask"].to(dev))
-        return values[:, :-1]
+        values = self.engine(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),
+                             mb["position_ids"].to(dev))
+        r = mb["response_mask"].shape[1]
+        return values[:, -r - 1:-1]
 
     @torch.no_grad()
     def prepare(self, micro_batches: list[dict]) -> list[dict]:

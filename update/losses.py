@@ -209,6 +209,30 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig):
     return loss, metrics
 
 
+MAX_METRICS = ("mismatch/max_abs_diff",)  # reduced over micro-batches and ranks by max, not sum
+
+
+def old_logprob_metrics(old_logprobs, rollout_logprobs, ref_logprobs, mask, counts: BatchCounts,
+                        kl_estimator: str) -> dict:
+    """Before the update: the rollout engine vs trainer mismatch (k3 KL, largest |diff|), and the
+    KL to the reference (kl/mean), as this piece's share of global token means ([B, T] each)."""
+    n = max(counts.num_tokens, 1.0)
+    metrics = {"mismatch/kl": float(masked_sum(kl_k3(rollout_logprobs, old_logprobs), mask) / n),
+               "mismatch/max_abs_diff": float(((old_logprobs - rollout_logprobs).abs() * mask)
+                                              .max()) if mask.numel() else 0.0}
+    if ref_logprobs is not None:
+        metrics["kl/mean"] = float(masked_sum(kl(old_logprobs, ref_logprobs, kl_estimator),
+                                              mask) / n)
+    return metrics
+
+
+def add_metrics(total: dict, more: dict) -> dict:
+    """Accumulate shares of global means (sum), and MAX_METRICS by max."""
+    for k, v in more.items():
+        total[k] = max(total[k], v) if k in MAX_METRICS and k in total else total.get(k, 0.0) + v
+    return total
+
+
 def value_loss(values, old_values, returns, mask, clip: float, counts: BatchCounts):
     """PPO clipped value loss: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2).
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from update.config import LossConfig, TrainerConfig
-from update.losses import BatchCounts, LossInputs, nll_loss, policy_loss
+from update.losses import (BatchCounts, LossInputs, add_metrics, nll_loss, old_logprob_metrics,
+                           policy_loss)
 
-# MicroBatch keys: input_ids [B, L] long, attention_mask [B, L] long; token-level [B, L-1]
-# float tensors aligned with the logprob of token t+1: response_mask (1 on response tokens),
+# MicroBatch keys (rl.batch.collate): input_ids, attention_mask, position_ids [B, L] long, with
+# prompts left-padded and responses right-padded so that every response starts at column
+# L - R; response-only token-level [B, R] float tensors: response_mask (1 on response tokens),
 # advantages, old_logprobs, rollout_logprobs, and when used ref_logprobs, values, returns.
 
 
@@ -34,10 +36,20 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0):
-    """log p(token_{t+1} | tokens_<=t): [B, L, V] logits, [B, L] ids -> [B, L-1]."""
+    """log p(token_{t+1} | tokens_<=t) for the tokens after the logits' first position:
+    [B, K, V] logits of the last K positions, [B, L] ids -> [B, K-1]."""
     logits = logits[:, :-1].float() / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
+    targets = input_ids[:, input_ids.shape[1] - logits.shape[1]:].unsqueeze(-1)
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def response_forward(engine, mb: dict):
+    """The model's outputs for a micro-batch, logits only for the positions that score its
+    responses (the last R + 1: position P - 1 scores the first response token)."""
+    dev = engine.device
+    return engine(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                  position_ids=mb["position_ids"].to(dev),
+                  logits_to_keep=mb["response_mask"].shape[1] + 1, use_cache=False)
 
 
 def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True) -> dict:
@@ -46,7 +58,9 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": cfg.micro_batch_size * grad_accum * world_size,
         "zero_optimization": {
-            "stage": cfg.zero_stage,
+            # ZeRO-1/2 shard optimizer state and gradients, which a frozen model (the reference)
+            # has none of: DeepSpeed refuses those stages without an optimizer
+            "stage": cfg.zero_stage if train or cfg.zero_stage == 3 else 0,
             # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
             "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
         },
@@ -98,13 +112,11 @@ class PolicyTrainer:
         return self.engine.module
 
     def _forward(self, engine, mb: dict, entropy: bool = False):
-        """(token logprobs [B, L-1], entropy [B, L-1] or None) under `engine`."""
+        """(token logprobs [B, R], entropy [B, R] or None) of the responses under `engine`."""
         from update.losses import entropy_from_logits
 
-        dev = engine.device
-        ids = mb["input_ids"].to(dev)
-        out = engine(input_ids=ids, attention_mask=mb["attention_mask"].to(dev), use_cache=False)
-        logprobs = token_logprobs(out.logits, ids, self.temperature)
+        out = response_forward(engine, mb)
+        logprobs = token_logprobs(out.logits, mb["input_ids"].to(engine.device), self.temperature)
         ent = entropy_from_logits(out.logits[:, :-1] / self.temperature) if entropy else None
         return logprobs, ent
 
@@ -129,28 +141,42 @@ class PolicyTrainer:
         return out
 
     def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
-        """One optimizer step of the policy loss; metrics are this rank's share of global means."""
+        """One optimizer step of the policy loss; metrics are this rank's share of global means.
+
+        A micro-batch without `old_logprobs` takes them from this forward, detached (one pass:
+        right when this is the only optimizer step on the batch, so the policy has not moved
+        since the rollout); the reference then scores it here too, and the mismatch and KL
+        metrics come from this forward.
+        """
         self._check_accum(micro_batches)
         self.engine.train()
         counts = BatchCounts(counts.num_tokens, counts.num_seqs, self.norm_length)
         sums: dict[str, float] = {}
         for mb in micro_batches:
             dev = self.engine.device
+            one_pass = "old_logprobs" not in mb
+            ref = _to(mb, "ref_logprobs", dev)
+            if ref is None and self.ref is not None:
+                with torch.no_grad():
+                    ref = self._forward(self.ref, mb)[0]
             grad_entropy = self.loss_cfg.entropy_coef > 0
             with torch.set_grad_enabled(True):
                 logprobs, ent = self._forward(self.engine, mb, entropy=grad_entropy)
             if not grad_entropy:  # the metric only: no graph through the entropy
                 ent = None
+            old = logprobs.detach() if one_pass else mb["old_logprobs"].to(dev)
+            mask, rollout = mb["response_mask"].to(dev), _to(mb, "rollout_logprobs", dev)
             inputs = LossInputs(
-                logprobs=logprobs, old_logprobs=mb["old_logprobs"].to(dev),
-                advantages=mb["advantages"].to(dev), response_mask=mb["response_mask"].to(dev),
-                counts=counts, ref_logprobs=_to(mb, "ref_logprobs", dev),
-                rollout_logprobs=_to(mb, "rollout_logprobs", dev), entropy=ent)
+                logprobs=logprobs, old_logprobs=old, advantages=mb["advantages"].to(dev),
+                response_mask=mask, counts=counts, ref_logprobs=ref, rollout_logprobs=rollout,
+                entropy=ent)
             loss, metrics = policy_loss(inputs, self.loss_cfg)
             self.engine.backward(loss * self.world_size * self.grad_accum)
             self.engine.step()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            add_metrics(sums, {k: float(v) for k, v in metrics.items()})
+            if one_pass and rollout is not None:
+                add_metrics(sums, old_logprob_metrics(old, rollout, ref, mask, counts,
+                                                      self.loss_cfg.kl_estimator))
         sums["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         return sums
 

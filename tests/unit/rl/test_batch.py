@@ -9,16 +9,44 @@ def sample(prompt, response, adv=0.0, lps=None):
                   advantages=[adv] * len(response))
 
 
-def test_collate_aligns_response_mask_with_next_token_logprobs():
-    # prompt [5, 6, 7], response [8, 9]: logprob index t scores token t+1, so the response
-    # tokens (positions 3, 4) are scored at indices 2 and 3
+def test_collate_left_pads_prompts_and_keeps_token_fields_response_only():
+    # every response starts at column P (= 3, the longest prompt); token fields are [B, R]
     b = collate([sample([5, 6, 7], [8, 9], adv=0.5, lps=[-1.0, -2.0]), sample([5], [4])], pad_id=0)
     assert "old_logprobs" not in b  # token fields appear only when every sample has them
-    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
-    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert b["response_mask"].tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
-    assert b["advantages"].tolist() == [[0, 0, 0.5, 0.5], [0, 0, 0, 0]]
-    assert b["rollout_logprobs"].tolist() == [[0, 0, -1.0, -2.0], [0, 0, 0, 0]]
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 4, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 1]]
+    assert b["response_mask"].tolist() == [[1, 1], [1, 0]]
+    assert b["advantages"].tolist() == [[0.5, 0.5], [0, 0]]
+    assert b["rollout_logprobs"].tolist() == [[-1.0, -2.0], [0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.models import build_tiny_model
+
+    path = build_tiny_model("tiny-qwen2", out_dir=tmp_path_factory.mktemp("m") / "q")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_padded_micro_batch_scores_each_response_like_the_sample_alone(tiny_lm):
+    import torch
+
+    from update.trainer import response_forward, token_logprobs
+
+    samples = [sample([5, 6, 7, 8, 9], [10, 11]), sample([5], [12, 13, 14, 15]),
+               sample([7, 8], [9])]
+    b = collate(samples, pad_id=0)
+    with torch.no_grad():
+        got = token_logprobs(response_forward(tiny_lm, b).logits, b["input_ids"])
+        for i, s in enumerate(samples):
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            alone = token_logprobs(tiny_lm(input_ids=ids).logits, ids)[0, -len(s.response_ids):]
+            assert torch.allclose(got[i, :len(s.response_ids)], alone, atol=1e-5), i
+    assert got.shape == b["response_mask"].shape
 
 
 def test_chunk_sizes_differ_by_at_most_one():

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import Config, ConfigError, grad_accum_steps, load_config
+from rl.config import AlgorithmConfig, Config, ConfigError, grad_accum_steps, load_config
+from update.config import LossConfig
 
 RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.yaml"))
 
@@ -70,3 +71,14 @@ def test_every_placement_the_config_accepts_has_a_class():
     from rl.config import PLACEMENTS
 
     assert set(placement.PLACEMENTS) == set(PLACEMENTS)  # the two lists of names stay in step
+
+
+def test_one_pass_only_where_old_logprobs_equal_the_policy():
+    assert AlgorithmConfig().one_pass()
+    assert AlgorithmConfig(loss=LossConfig(kl_coef=0.01, use_kl_loss=True)).one_pass()
+    # KL as a reward penalty needs reference logprobs before the advantages: keep the pass
+    assert not AlgorithmConfig(loss=LossConfig(kl_coef=0.01, use_kl_loss=False)).one_pass()
+    assert not AlgorithmConfig(critic=True).one_pass()
+    assert not AlgorithmConfig(ppo_epochs=2).one_pass()
+    assert not AlgorithmConfig(num_mini_batches=2).one_pass()
+    assert not AlgorithmConfig(old_logprobs="pass").one_pass()

@@ -1,0 +1,15 @@
+"""DeepSpeed configs: a frozen model (the reference) gets a stage DeepSpeed accepts without an
+optimizer, whatever stage the trainer uses."""
+import pytest
+
+from update.config import TrainerConfig
+from update.trainer import ds_config
+
+
+@pytest.mark.parametrize("stage, frozen_stage", [(1, 0), (2, 0), (3, 3)])
+def test_reference_model_stage(stage, frozen_stage):
+    cfg = TrainerConfig(zero_stage=stage)
+    assert ds_config(cfg, 2, 1)["zero_optimization"]["stage"] == stage
+    frozen = ds_config(cfg, 2, 1, train=False)
+    assert frozen["zero_optimization"]["stage"] == frozen_stage
+    assert "gradient_clipping" not in frozen
