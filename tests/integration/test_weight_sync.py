@@ -70,7 +70,7 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
                      for w in workers])
     for s in stats:
         assert s["sync/logprob_max_abs_diff"] <= 1e-3
-        assert s["sync/direct_load"] == 1.0  # plain CPU linears: copied into the parameters
+        assert s["sync/direct_load"] == 1.0  # kept CPU weights: copied into, then re-packed
         assert s["sync/shared_weights"] == 1.0  # one copy for both engines, written in place
     assert max(max_diffs(ray, workers, probe)) <= 1e-3
 
@@ -93,14 +93,17 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
         assert max(max_diffs(ray, workers, probe)) <= 1e-3
 
 
-@pytest.mark.parametrize("stage, dtype, tolerance", [(2, "float32", 1e-3), (3, "bfloat16", 5e-2)])
+@pytest.mark.parametrize("stage, dtype, tolerance, linear",
+                         [(2, "float32", 1e-3, "plain"), (3, "bfloat16", 5e-2, "repack")])
 def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, stage, dtype,
-                                              tolerance):
+                                              tolerance, linear):
     """ZeRO-2 keeps parameters whole on every rank (each rank writes an equal range of them into
-    the engines' shared weights); a bf16 trainer writes its bf16 shards into float32 engines."""
+    the engines' shared weights); a bf16 trainer writes its bf16 shards into float32 engines.
+    Engines with plain CPU linears compute straight from the weights written in place."""
     ray = ray_session
     with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
-                   f"trainer.dtype={dtype}", "sync.bucket_mb=0.05") as (workers, cfg):
+                   f"trainer.dtype={dtype}", "sync.bucket_mb=0.05",
+                   f"rollout.cpu_linear={linear}") as (workers, cfg):
         probe = list(range(3, 60))
         update_once(ray, workers)
         before = min(max_diffs(ray, workers, probe))

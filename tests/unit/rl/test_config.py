@@ -27,19 +27,19 @@ def test_defaults_and_overrides():
     ("placement=disaggregated ray.num_rollout_workers=0", "needs at least one rollout engine"),
     ("sync.checksum=md5", "sync.checksum='md5' is not known; use one of: sum64, crc32"),
     ("rollout.cpu_linear=fast", "rollout.cpu_linear='fast' is not known; use one of: auto, plain, "
-                                "packed"),
+                                "repack, packed"),
 ])
 def test_bad_config_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override.split())
 
 
-@pytest.mark.parametrize("cpu_linear, dtype, keeps", [
-    ("auto", "float32", True), ("auto", "bfloat16", False), ("plain", "bfloat16", True),
-    ("packed", "float32", False)])
-def test_cpu_linear_auto_keeps_weights_for_float32_only(cpu_linear, dtype, keeps):
+@pytest.mark.parametrize("cpu_linear, dtype, mode", [
+    ("auto", "float32", "repack"), ("auto", "bfloat16", "repack"), ("plain", "bfloat16", "plain"),
+    ("packed", "float32", "packed")])
+def test_cpu_linear_auto_repacks_in_every_dtype(cpu_linear, dtype, mode):
     cfg = load_config(None, [f"rollout.cpu_linear={cpu_linear}", f"rollout.dtype={dtype}"])
-    assert cfg.rollout.keeps_cpu_linear_weights() is keeps
+    assert cfg.rollout.cpu_linear_mode() == mode
 
 
 def test_yaml_unknown_key_names_the_file(tmp_path):
