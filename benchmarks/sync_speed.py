@@ -16,6 +16,8 @@
    GPU or multi-host trainers do) and a bare engine load of the same tensors from memory (a
    copy into the parameters; vLLM's reload, which re-packs CPU linear weights for oneDNN, with
    rollout.cpu_linear=packed); and the sync's own phases (write, gather, checksum, wire, load).
+   The engines keep plain CPU linears here (--cpu-linear plain): the transfer alone. With the
+   default (repack) each engine also re-packs its linears for oneDNN after the write.
 2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
    mean over --steps steps after the first (warm-up cached after the first run).
 """
@@ -37,7 +39,7 @@ def phases(metrics: dict) -> str:
                      for k, v in metrics.items() if k.endswith("_seconds") and k != "sync/seconds")
 
 
-def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
+def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear: str) -> dict:
     import ray
 
     from rl.config import load_config
@@ -45,7 +47,8 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int) -> dict:
 
     cfg = load_config(None, [f"placement={kind}", f"model.path={model}", f"sync.bucket_mb={bucket_mb}",
                              "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
-                             "rollout.max_model_len=256", "sync.tolerance=1e-2"])
+                             "rollout.max_model_len=256", "sync.tolerance=1e-2",
+                             f"rollout.cpu_linear={cpu_linear}"])
     from rl.models import resolve_model_path
 
     path = resolve_model_path(model)
@@ -106,6 +109,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="quickstart steps per placement (0: skip)")
     p.add_argument("--out", default="/tmp/rlstack-bench")
+    p.add_argument("--cpu-linear", default="plain",
+                   help="the engines' rollout.cpu_linear (plain: the transfer alone)")
     args = p.parse_args()
     import ray
 
@@ -117,7 +122,7 @@ def main() -> None:
     rows = []
     for kind in ("colocated", "disaggregated"):
         t0 = time.perf_counter()
-        rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats))
+        rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats, args.cpu_linear))
         print(f"[{kind}] measured in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\nweight sync, {args.model}, {rows[0]['bytes'] / 2**20:.0f} MiB, buckets of "
           f"{args.bucket_mb:g} MiB (best of {args.repeats}; target sync / limit <= 2)")

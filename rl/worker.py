@@ -242,8 +242,8 @@ class RolloutRole(Role):
         else:
             logging.getLogger(__name__).warning(
                 "engine %d: weight syncs go through vLLM's reload (model_type %r, weights in "
-                "place: %s); rollout.cpu_linear=plain with a Qwen2/Llama model copies them "
-                "directly, ~4x faster", self.rank, config.model_type,
+                "place: %s); rollout.cpu_linear=repack (or plain) with a Qwen2/Llama model "
+                "copies them directly, ~4x faster", self.rank, config.model_type,
                 self.engine.weights_in_place())
 
     def measure_reload(self, model_path: str, repeats: int = 3) -> float:

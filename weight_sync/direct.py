@@ -3,8 +3,8 @@
 vLLM's layerwise reload (checkpoint format) rebuilds every layer: fresh tensors, its loaders,
 then the platform's processing. On CPU that processing re-packs each linear weight for oneDNN,
 and a reload of a 100M model cost about 5x a memcpy of its bytes here. When the engine keeps
-its weights in checkpoint layout (vLLM on GPU; vLLM-CPU with `rollout.cpu_linear: plain`),
-a sync only has to put each tensor where vLLM's loader would: q/k/v rows in the fused
+its weights in checkpoint layout (vLLM on GPU; vLLM-CPU with `rollout.cpu_linear: repack` or
+`plain`), a sync only has to put each tensor where vLLM's loader would: q/k/v rows in the fused
 `qkv_proj`, gate/up rows in `gate_up_proj`, the vocab rows of the padded embedding
 (`weight_sync.resharding.local_param_slot`). One copy per tensor, into the same storage (CUDA
 graphs and captured pointers stay valid).

@@ -14,8 +14,8 @@ exactly what vLLM's loader on rank r narrows the full tensor to (Qwen2 / Llama n
 A slice is not in checkpoint format (`model.load_weights` would narrow it again), so the engine
 places it in its local parameter itself, q/k/v in the fused `qkv_proj` and gate/up in
 `gate_up_proj` at the row offset from `local_param_slot` (vocab at row 0, the padding left
-zero): `weight_sync.direct.DirectLoad`. Right for unquantized weights a platform does not
-repack (vLLM-CPU does, unless `rollout.cpu_linear: plain`). No engine is imported.
+zero): `weight_sync.direct.DirectLoad`. Right for unquantized weights a platform keeps as
+loaded (vLLM-CPU does with `rollout.cpu_linear: repack` or `plain`). No engine is imported.
 """
 from __future__ import annotations
 
