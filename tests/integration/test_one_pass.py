@@ -16,7 +16,7 @@ def _compare(cache_dir: str, port: int, out) -> None:
 
     from rl.batch import Sample, collate
     from rl.models import build_tiny_model
-    from update.config import TrainerConfig
+    from update.config import LossConfig, TrainerConfig
     from update.losses import BatchCounts, old_logprob_metrics
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed
 
