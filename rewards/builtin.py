@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 from rewards.registry import register
 
@@ -90,16 +91,35 @@ def length_reward(prompt: str, completion: str, budget: int = 512, buffer: int =
     return -penalty * min(len(completion) - start, buffer) / max(buffer, 1)
 
 
+CODE_EXEC_ARGS = ("timeout_s", "memory_mb", "cpu_s", "unsafe_no_isolation")
+_warned_unsafe = False
+
+
+def _warn_unsafe() -> None:
+    """Once per process: the opt-out must never go unnoticed."""
+    global _warned_unsafe
+    if not _warned_unsafe:
+        _warned_unsafe = True
+        print("WARNING: code_exec runs model-written programs WITHOUT ISOLATION "
+              "(unsafe_no_isolation: true): they can read and change this machine's files, use "
+              "its network and leave processes running; limits and verdicts still apply",
+              file=sys.stderr, flush=True)
+
+
 @register("code_exec")
 def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
-              memory_mb: int = 512, **row) -> float:
-    """Fraction of `tests` (Python assert statements) that the completion's code passes, run in
-    a sandbox (rewards.sandbox): own process, CPU/memory/file-size/process limits, no network,
-    a throw-away directory, a wall timeout."""
-    from rewards.sandbox import extract_code, run_tests
+              memory_mb: int = 512, cpu_s: float | None = None,
+              unsafe_no_isolation: bool = False, **row) -> float:
+    """Fraction of the row's `tests` that the completion's last ```python block passes, in
+    [0, 1]. Cases: {"fn": "solve", "args": [1, 2], "expect": 3} (optional "tol") or
+    {"stdin": "1 2\\n", "stdout": "3\\n"}. The program runs isolated (rewards.sandbox); the
+    verdicts are made outside it. unsafe_no_isolation: the opt-out, loudly warned."""
+    from rewards.sandbox import Limits, check_isolation, extract_code, run_cases
 
-    if not tests:
-        return 0.0
-    passed = run_tests(extract_code(completion), list(tests), timeout_s=timeout_s,
-                       memory_mb=memory_mb)
-    return passed / len(tests)
+    limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s)
+    if unsafe_no_isolation:
+        _warn_unsafe()
+    else:
+        check_isolation()
+    passed = run_cases(extract_code(completion), tests, limits, isolated=not unsafe_no_isolation)
+    return sum(passed) / len(tests)  # our count of cases: whatever the program wrote, <= 1

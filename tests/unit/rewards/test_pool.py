@@ -1,0 +1,48 @@
+"""The reward pool's timeout kills the worker mid-call: a code_exec sandbox running there must
+go with it, its detached processes included, and leave nothing on disk."""
+import threading
+
+from rewards.pool import OK, TIMEOUT, RewardPool
+
+BLOCKER = """```python
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "97.541"])
+    os._exit(0)
+time.sleep(60)
+def solve(x):
+    return x
+```"""
+
+
+def test_a_pool_timeout_leaves_nothing_running_or_on_disk(namespaces, leftovers, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the workers' temporary files would land here
+    tests = [{"fn": "solve", "args": [1], "expect": 1}]
+    pool = RewardPool(["code_exec"], num_workers=1, timeout_s=4.0)
+    try:
+        warm = pool.run([(0, {"prompt": "p", "completion": "def solve(x):\n    return x\n",
+                              "tests": tests})])  # the worker is up and has probed isolation
+        assert warm == [(OK, 1.0)]
+        seen, stop = [], threading.Event()
+
+        def watch():  # proof the sleeper did start, so its absence afterwards means something
+            while not stop.is_set() and not seen:
+                seen.extend(leftovers.pids_with(["97.541"]))
+                stop.wait(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        # the sandbox's own limit (30 s) is far past the pool's (4 s): the pool's kill acts
+        result = pool.run([(0, {"prompt": "p", "completion": BLOCKER, "tests": tests,
+                                "timeout_s": 30.0})])
+        stop.set()
+        watcher.join()
+        assert result == [(TIMEOUT, None)]
+        assert seen, "the sandboxed program never started its sleeper"
+        assert leftovers(["97.541"]) == []
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        pool.close()
