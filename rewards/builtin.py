@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 
-from rewards.registry import register
+from rewards.registry import register, start_check
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -106,7 +106,32 @@ def _warn_unsafe() -> None:
               file=sys.stderr, flush=True)
 
 
+def check_code_exec(rows: list, args: dict) -> None:
+    """At start: known args, every row's tests in the case form, isolation available."""
+    from rewards.cases import check_tests
+    from rewards.sandbox import Limits, check_isolation
+
+    unknown = sorted(set(args) - set(CODE_EXEC_ARGS))
+    if unknown:
+        raise ValueError(f"code_exec args {unknown} are unknown; allowed: "
+                         f"{', '.join(CODE_EXEC_ARGS)}")
+    unsafe = args.get("unsafe_no_isolation", False)
+    if not isinstance(unsafe, bool):
+        raise ValueError(f"code_exec unsafe_no_isolation={unsafe!r}: give true or false")
+    Limits(**{k: v for k, v in args.items() if k != "unsafe_no_isolation"})
+    for k, row in enumerate(rows):
+        if "tests" not in row:
+            raise ValueError(f"row {k} has no field 'tests' (fields: {', '.join(row)}); "
+                             f"code_exec needs each row's test cases there")
+        check_tests(row["tests"], f"row {k}")
+    if unsafe:
+        _warn_unsafe()
+    else:
+        check_isolation()
+
+
 @register("code_exec")
+@start_check(check_code_exec)
 def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
               memory_mb: int = 512, cpu_s: float | None = None,
               unsafe_no_isolation: bool = False, **row) -> float:

@@ -12,7 +12,7 @@ from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
-from rl.rewarding import RewardScorer
+from rl.rewarding import RewardScorer, check_reward_terms
 from update.losses import kl as kl_estimate
 
 
@@ -76,13 +76,14 @@ class Controller:
         from rl.warmup import run_warmup
 
         cfg = self.cfg
+        rows = resolve_rows(cfg.data, cfg.run.seed)
+        check_reward_terms(cfg.reward, rows)  # bad rewards or tests fail before anything starts
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)
         model_path = resolve_model_path(cfg.model.path, cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.prompts = PromptSet(resolve_rows(cfg.data, cfg.run.seed), self.tokenizer, cfg.data,
-                                 cfg.run.seed, cfg.rollout)
+        self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
         start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.placement = start_placement(cfg)

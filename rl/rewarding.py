@@ -10,7 +10,7 @@ import math
 import re
 
 from rewards.pool import ERROR, OK, TIMEOUT, RewardPool
-from rewards.registry import is_batched, resolve
+from rewards.registry import is_batched, resolve, start_check_of
 from rl.config import RewardConfig, RewardTerm
 
 REWARD_MODEL = "reward_model"
@@ -20,6 +20,18 @@ def term_alias(term: RewardTerm) -> str:
     if term.alias:
         return term.alias
     return re.sub(r"[^A-Za-z0-9_.-]", "_", term.name.rpartition(":")[2] or term.name)
+
+
+def check_reward_terms(cfg: RewardConfig, rows: list[dict]) -> None:
+    """Each term's start check on every dataset row (e.g. code_exec's test cases and sandbox),
+    and every name resolved: run before Ray and the engines start, so a bad recipe or data set
+    fails in seconds."""
+    for term in cfg.functions:
+        if term.name == REWARD_MODEL:
+            continue
+        check = start_check_of(resolve(term.name))
+        if check is not None:
+            check(rows, dict(term.args))
 
 
 class RewardScorer:
