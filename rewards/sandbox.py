@@ -17,7 +17,6 @@ isolated=False) is the opt-out: the same runner as a plain process with the same
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -98,7 +97,7 @@ def sandbox_python() -> tuple[str, list[str]]:
     if not exe.startswith(prefix + os.sep):
         raise SandboxError(f"no interpreter for the sandbox: {SYSTEM_PYTHON} is absent and "
                            f"{exe} is not under its prefix {prefix}; install python3")
-    return exe, [] if prefix.startswith("/usr/") else [prefix]
+    return exe, [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
 
 
 def _command(python: str) -> list[str]:
@@ -233,13 +232,18 @@ def probe():
     env = sorted(k for k in os.environ if k != "LC_CTYPE")  # python sets LC_CTYPE itself
     return [os.getuid(), socket.gethostname(), env, os.getppid(), os.path.exists("/etc")]
 """
-PROBE_EXPECT = [65534, "sandbox", [], 1, False]  # nobody, own host name, no environment,
-# the runner's parent is pid 1 of a new PID namespace, none of the host's files
+# nobody, its own host name, no environment, a parent that is pid 1 of a new PID namespace,
+# none of the host's files
+PROBE_EXPECT = [65534, "sandbox", [], 1, False]
+_isolation_ok = False  # once a probe passed in this process; a failure is probed again next time
 
 
-@functools.lru_cache(maxsize=None)
 def isolation_problem() -> str | None:
-    """None when a probe program ran isolated here, else what went wrong (cached per process)."""
+    """None when a probe program ran isolated here, else what went wrong. Only success is
+    remembered: a probe that failed on a busy machine must not disable code_exec for good."""
+    global _isolation_ok
+    if _isolation_ok:
+        return None
     case = {"fn": "probe", "args": [], "expect": PROBE_EXPECT}
     try:
         raw = run_isolated(PROBE, {"timeout_s": 10.0, "cases": [public(case)]},
@@ -249,6 +253,7 @@ def isolation_problem() -> str | None:
     answers = read_answers(raw, [case])
     if not verdicts([case], answers)[0]:
         return f"a probe program saw {answers.get(0)} where {PROBE_EXPECT} was due"
+    _isolation_ok = True
     return None
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import rewards.sandbox as sandbox
 from rewards.sandbox import (Limits, SandboxError, extract_code, isolation_problem, run_cases,
                              start_isolated)
 
@@ -34,6 +35,7 @@ def test_the_program_is_nobody_with_no_environment_on_its_own_host(score, monkey
     monkeypatch.setenv("RLSTACK_SANDBOX_PROBE", "visible")
     assert score(SOLVE) == 1.0
     assert score(hostile("import os\nassert os.environ['RLSTACK_SANDBOX_PROBE']")) == 0.0
+    monkeypatch.setattr(sandbox, "_isolation_ok", False)  # probe now, not from memory
     assert isolation_problem() is None
 
 
@@ -252,20 +254,15 @@ def test_forged_answer_lines_never_lift_the_reward_above_one(score):
 
 
 def test_a_sandbox_that_cannot_start_says_what_is_missing(monkeypatch):
-    import rewards.sandbox as sandbox
-
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    isolation_problem.cache_clear()
-    try:
-        with pytest.raises(SandboxError, match="setpriv and unshare not found on PATH"):
-            run_cases(SOLVE, CASES)
-        with pytest.raises(SandboxError, match=r"cannot isolate .*unsafe_no_isolation: true"):
-            sandbox.check_isolation()
-        # the opt-out runs the same runner without namespaces, verdicts still here
-        assert run_cases(SOLVE, CASES, isolated=False) == [True]
-        assert run_cases("def solve(x): return True", CASES, isolated=False) == [False]
-    finally:
-        isolation_problem.cache_clear()
+    monkeypatch.setattr(sandbox, "_isolation_ok", False)
+    with pytest.raises(SandboxError, match="setpriv and unshare not found on PATH"):
+        run_cases(SOLVE, CASES)
+    with pytest.raises(SandboxError, match=r"cannot isolate .*unsafe_no_isolation: true"):
+        sandbox.check_isolation()
+    # the opt-out runs the same runner without namespaces, verdicts still here
+    assert run_cases(SOLVE, CASES, isolated=False) == [True]
+    assert run_cases("def solve(x): return True", CASES, isolated=False) == [False]
 
 
 def test_extract_code():

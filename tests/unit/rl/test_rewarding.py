@@ -112,14 +112,11 @@ def test_code_exec_refuses_to_start_without_isolation_unless_opted_out(namespace
 
     check_reward_terms(code_exec_terms(), CODE_ROWS)  # isolation works here
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    sandbox.isolation_problem.cache_clear()
+    monkeypatch.setattr(sandbox, "_isolation_ok", False)
     monkeypatch.setattr(rewards.builtin, "_warned_unsafe", False)
-    try:
-        with pytest.raises(sandbox.SandboxError, match="^code_exec cannot isolate programs on this "
-                           "machine: util-linux setpriv and unshare not found on PATH.*"
-                           "unsafe_no_isolation: true"):
-            check_reward_terms(code_exec_terms(), CODE_ROWS)
-        check_reward_terms(code_exec_terms(unsafe_no_isolation=True), CODE_ROWS)
-        assert "WITHOUT ISOLATION" in capsys.readouterr().err
-    finally:
-        sandbox.isolation_problem.cache_clear()
+    with pytest.raises(sandbox.SandboxError, match="^code_exec cannot isolate programs on this "
+                       "machine: util-linux setpriv and unshare not found on PATH.*"
+                       "unsafe_no_isolation: true"):
+        check_reward_terms(code_exec_terms(), CODE_ROWS)
+    check_reward_terms(code_exec_terms(unsafe_no_isolation=True), CODE_ROWS)
+    assert "WITHOUT ISOLATION" in capsys.readouterr().err
