@@ -1,19 +1,54 @@
-"""Shared by the code_exec sandbox tests: scoring a program, host-side traps it must not reach."""
+"""Shared by the code_exec sandbox tests: scoring a program in either form of the sandbox, the
+pieces of the test programs, host-side traps the program must not reach."""
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import rewards
+
+ROOT = Path(rewards.__file__).resolve().parents[1]  # this checkout, for tests in a subprocess
+SOLVE = "def solve(x):\n    return x\n"
 CASES = [{"fn": "solve", "args": [1], "expect": 1}]  # what score() runs unless told otherwise
 
 
+def hostile(attack: str) -> str:
+    """`attack` at import time, then a correct solve: it loads only if the attack succeeded."""
+    return textwrap.dedent(attack) + "\n" + SOLVE
+
+
 @pytest.fixture
-def score(namespaces):
+def programs():
+    """The pieces of the test programs: solve (correct for cases), cases, hostile(attack)."""
+    return SimpleNamespace(solve=SOLVE, cases=CASES, hostile=hostile)
+
+
+@pytest.fixture(params=["root", "user"])
+def form(request, monkeypatch, namespaces):
+    """Each test that scores runs in both forms of the sandbox: 'root' (root with
+    CAP_SYS_ADMIN makes the namespaces directly) and 'user' (in a user namespace first, as
+    for any other caller; there the program runs as the caller's own host user)."""
+    import rewards.sandbox as sandbox
+
+    natural = "user" if sandbox.needs_user_namespace() else "root"
+    if request.param == "root" and natural == "user":
+        pytest.skip("the root form needs root with CAP_SYS_ADMIN")
+    monkeypatch.setattr(sandbox, "needs_user_namespace", lambda: request.param == "user")
+    return request.param
+
+
+@pytest.fixture
+def score(form):
     """score(code, cases=CASES, **limits): the reward code_exec's sandbox gives `code`."""
     from rewards.sandbox import Limits, run_cases
 
@@ -23,6 +58,22 @@ def score(namespaces):
         return sum(passed) / len(cases)
 
     return run
+
+
+def _run_python(script: str, *, before=(), python=sys.executable, user=None) -> object:
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + textwrap.dedent(script)
+    done = subprocess.run([*before, python, "-I", "-c", code], capture_output=True, text=True,
+                          cwd="/", timeout=120, user=user)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def run_python():
+    """run_python(script, before=(), python=, user=): `script` in a fresh interpreter (after
+    the command `before`, e.g. setpriv ...), with this checkout's rewards/ importable; what it
+    printed last, as JSON. For what a test cannot do in pytest's own process."""
+    return _run_python
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_code_exec_refuses_to_start_without_isolation_unless_opted_out(namespace
 
     check_reward_terms(code_exec_terms(), CODE_ROWS)  # isolation works here
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    monkeypatch.setattr(sandbox, "_isolation_ok", False)
+    monkeypatch.setattr(sandbox, "_isolation_ok", set())
     monkeypatch.setattr(rewards.builtin, "_warned_unsafe", False)
     with pytest.raises(sandbox.SandboxError, match="^code_exec cannot isolate programs on this "
                        "machine: util-linux setpriv and unshare not found on PATH.*"
