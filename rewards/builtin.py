@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 
-from rewards.registry import register, start_check
+from rewards.registry import StartCheckError, register, start_check
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -106,8 +106,7 @@ def _warn_unsafe() -> None:
               file=sys.stderr, flush=True)
 
 
-def check_code_exec(rows: list, args: dict) -> None:
-    """At start: known args, every row's tests in the case form, isolation available."""
+def _check_code_exec(rows: list, args: dict) -> None:
     from rewards.cases import check_tests
     from rewards.sandbox import Limits, check_isolation
 
@@ -128,6 +127,16 @@ def check_code_exec(rows: list, args: dict) -> None:
         _warn_unsafe()
     else:
         check_isolation()
+
+
+def check_code_exec(rows: list, args: dict) -> None:
+    """At start: known args, every row's tests in the case form, isolation available."""
+    from rewards.sandbox import SandboxError
+
+    try:
+        _check_code_exec(rows, args)
+    except (ValueError, SandboxError) as e:
+        raise StartCheckError(str(e)) from None
 
 
 @register("code_exec")

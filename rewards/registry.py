@@ -41,10 +41,16 @@ def is_batched(fn) -> bool:
     return bool(getattr(fn, "__reward_batched__", False))
 
 
+class StartCheckError(ValueError):
+    """A reward's start check refused the run; the message is one line: the row or arg, what
+    was given, the fix."""
+
+
 def start_check(check: Callable[[list, dict], None]):
     """Give a reward `check(rows, args)`, run once at start with every dataset row and the
-    term's args, before any sample is scored; it raises ValueError (one line: the row, what was
-    given, the fix) to refuse the run. E.g. code_exec checks each row's tests."""
+    term's args, before any sample is scored; it raises ValueError (StartCheckError, or any
+    other ValueError with a one-line message) to refuse the run. E.g. code_exec checks each
+    row's tests."""
     def wrap(fn):
         fn.__reward_start_check__ = check
         return fn
@@ -52,6 +58,7 @@ def start_check(check: Callable[[list, dict], None]):
 
 
 def start_check_of(fn) -> Callable[[list, dict], None] | None:
+    """The start check `fn` carries (see start_check), or None."""
     return getattr(fn, "__reward_start_check__", None)
 
 

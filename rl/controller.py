@@ -50,8 +50,11 @@ def reduce_rank_metrics(results: list[dict]) -> dict:
 
 
 class Controller:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rows: list[dict] | None = None):
+        """rows: the data set, already through the rewards' start checks (rl-train does both
+        before the heavy imports); None: setup loads and checks it."""
         self.cfg = cfg
+        self.rows = rows
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
@@ -76,8 +79,10 @@ class Controller:
         from rl.warmup import run_warmup
 
         cfg = self.cfg
-        rows = resolve_rows(cfg.data, cfg.run.seed)
-        check_reward_terms(cfg.reward, rows)  # bad rewards or tests fail before anything starts
+        rows = self.rows
+        if rows is None:
+            rows = resolve_rows(cfg.data, cfg.run.seed)
+            check_reward_terms(cfg.reward, rows)  # bad rewards or tests fail before Ray starts
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)

@@ -3,7 +3,7 @@ counted and gets the fallback; the others are unaffected; the run goes on."""
 
 import pytest
 
-from rl.config import RewardConfig, RewardTerm
+from rl.config import ConfigError, RewardConfig, RewardTerm
 from rl.rewarding import RewardScorer, check_reward_terms
 
 PLUGIN = '''
@@ -91,16 +91,16 @@ def code_exec_terms(**args):
 
 @pytest.mark.parametrize("rows, args, message", [
     (CODE_ROWS + [{"prompt": "r", "tests": ["assert solve(1) == 1"]}], {},
-     r"^row 2: tests\[0\] is the string 'assert solve\(1\) == 1'; assert strings are not run"),
+     r"row 2: tests\[0\] is the string 'assert solve\(1\) == 1'; assert strings are not run"),
     (CODE_ROWS + [{"prompt": "r", "tests": [{"fn": "solve", "args": [1]}]}], {},
-     r"^row 2: tests\[0\] has the keys \['args', 'fn'\]; a function case has fn, args, expect"),
-    (CODE_ROWS + [{"prompt": "r"}], {}, r"^row 2 has no field 'tests' \(fields: prompt\)"),
-    (CODE_ROWS, {"timout_s": 3}, r"^code_exec args \['timout_s'\] are unknown; allowed: timeout_s"),
-    (CODE_ROWS, {"memory_mb": 0}, r"^code_exec memory_mb=0: must be a number > 0"),
-    (CODE_ROWS, {"unsafe_no_isolation": "yes"}, r"^code_exec unsafe_no_isolation='yes': give true"),
+     r"row 2: tests\[0\] has the keys \['args', 'fn'\]; a function case has fn, args, expect"),
+    (CODE_ROWS + [{"prompt": "r"}], {}, r"row 2 has no field 'tests' \(fields: prompt\)"),
+    (CODE_ROWS, {"timout_s": 3}, r"code_exec args \['timout_s'\] are unknown; allowed: timeout_s"),
+    (CODE_ROWS, {"memory_mb": 0}, r"code_exec memory_mb=0: must be a number > 0"),
+    (CODE_ROWS, {"unsafe_no_isolation": "yes"}, r"code_exec unsafe_no_isolation='yes': give true"),
 ])
 def test_code_exec_rows_and_args_are_checked_at_start(rows, args, message):
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ConfigError, match="^reward 'code_exec': " + message) as e:
         check_reward_terms(code_exec_terms(**args), rows)
     assert "\n" not in str(e.value)
 
@@ -114,8 +114,8 @@ def test_code_exec_refuses_to_start_without_isolation_unless_opted_out(namespace
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     monkeypatch.setattr(sandbox, "_isolation_ok", set())
     monkeypatch.setattr(rewards.builtin, "_warned_unsafe", False)
-    with pytest.raises(sandbox.SandboxError, match="^code_exec cannot isolate programs on this "
-                       "machine: util-linux setpriv and unshare not found on PATH.*"
+    with pytest.raises(ConfigError, match="^reward 'code_exec': code_exec cannot isolate programs "
+                       "on this machine: util-linux setpriv and unshare not found on PATH.*"
                        "unsafe_no_isolation: true"):
         check_reward_terms(code_exec_terms(), CODE_ROWS)
     check_reward_terms(code_exec_terms(unsafe_no_isolation=True), CODE_ROWS)
