@@ -91,7 +91,7 @@ def length_reward(prompt: str, completion: str, budget: int = 512, buffer: int =
     return -penalty * min(len(completion) - start, buffer) / max(buffer, 1)
 
 
-CODE_EXEC_ARGS = ("timeout_s", "memory_mb", "cpu_s", "unsafe_no_isolation")
+CODE_EXEC_ARGS = ("timeout_s", "memory_mb", "cpu_s", "python", "unsafe_no_isolation")
 _warned_unsafe = False
 
 
@@ -108,7 +108,8 @@ def _warn_unsafe() -> None:
 
 def _check_code_exec(rows: list, args: dict) -> None:
     from rewards.cases import check_tests
-    from rewards.sandbox import Limits, check_isolation
+    from rewards.sandbox import Limits, check_isolation, interpreter
+    from rewards.sandbox_limits import cgroup_bases
 
     unknown = sorted(set(args) - set(CODE_EXEC_ARGS))
     if unknown:
@@ -117,20 +118,32 @@ def _check_code_exec(rows: list, args: dict) -> None:
     unsafe = args.get("unsafe_no_isolation", False)
     if not isinstance(unsafe, bool):
         raise ValueError(f"code_exec unsafe_no_isolation={unsafe!r}: give true or false")
-    Limits(**{k: v for k, v in args.items() if k != "unsafe_no_isolation"})
+    Limits(**{k: v for k, v in args.items() if k not in ("unsafe_no_isolation", "python")})
     for k, row in enumerate(rows):
         if "tests" not in row:
             raise ValueError(f"row {k} has no field 'tests' (fields: {', '.join(row)}); "
                              f"code_exec needs each row's test cases there")
+        # A row's fields reach the reward as keyword arguments, next to the term's args: a row
+        # must not set its own limits, nor turn isolation off.
+        own = [key for key in CODE_EXEC_ARGS if key in row]
+        if own:
+            raise ValueError(f"row {k} has the field '{own[0]}', which is a code_exec arg; "
+                             f"set it in the reward term's args and drop it from the data")
         check_tests(row["tests"], f"row {k}")
+    python = interpreter(args.get("python"))
+    where = ("with a per-call cgroup (memory_mb and processes are totals)" if cgroup_bases()
+             else "without a cgroup (memory_mb per process, 8 processes unless set)")
+    print(f"code_exec: programs run on {python.path} (Python {python.version}), "
+          f"{'WITHOUT ISOLATION' if unsafe else 'isolated ' + where}", flush=True)
     if unsafe:
         _warn_unsafe()
     else:
-        check_isolation()
+        check_isolation(args.get("python"))
 
 
 def check_code_exec(rows: list, args: dict) -> None:
-    """At start: known args, every row's tests in the case form, isolation available."""
+    """At start: known args, no row that sets them, every row's tests in the case form, the
+    interpreter (its version printed), isolation available."""
     from rewards.sandbox import SandboxError
 
     try:
@@ -142,18 +155,20 @@ def check_code_exec(rows: list, args: dict) -> None:
 @register("code_exec")
 @start_check(check_code_exec)
 def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
-              memory_mb: int = 512, cpu_s: float | None = None,
+              memory_mb: int = 512, cpu_s: float | None = None, python: str | None = None,
               unsafe_no_isolation: bool = False, **row) -> float:
     """Fraction of the row's `tests` that the completion's last ```python block passes, in
     [0, 1]. Cases: {"fn": "solve", "args": [1, 2], "expect": 3} (optional "tol") or
-    {"stdin": "1 2\\n", "stdout": "3\\n"}. The program runs isolated (rewards.sandbox); the
-    verdicts are made outside it. unsafe_no_isolation: the opt-out, loudly warned."""
+    {"stdin": "1 2\\n", "stdout": "3\\n"}. The program runs isolated (rewards.sandbox) on
+    `python` (default /usr/bin/python3); the verdicts are made outside it.
+    unsafe_no_isolation: the opt-out, loudly warned."""
     from rewards.sandbox import Limits, check_isolation, extract_code, run_cases
 
     limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s)
     if unsafe_no_isolation:
         _warn_unsafe()
     else:
-        check_isolation()
-    passed = run_cases(extract_code(completion), tests, limits, isolated=not unsafe_no_isolation)
+        check_isolation(python)
+    passed = run_cases(extract_code(completion), tests, limits, isolated=not unsafe_no_isolation,
+                       python=python)
     return sum(passed) / len(tests)  # our count of cases: whatever the program wrote, <= 1

@@ -1,6 +1,8 @@
 """Reward terms run in worker processes: a reward that raises, hangs, returns NaN or a string is
 counted and gets the fallback; the others are unaffected; the run goes on."""
 
+import sys
+
 import pytest
 
 from rl.config import ConfigError, RewardConfig, RewardTerm
@@ -98,11 +100,29 @@ def code_exec_terms(**args):
     (CODE_ROWS, {"timout_s": 3}, r"code_exec args \['timout_s'\] are unknown; allowed: timeout_s"),
     (CODE_ROWS, {"memory_mb": 0}, r"code_exec memory_mb=0: must be a number > 0"),
     (CODE_ROWS, {"unsafe_no_isolation": "yes"}, r"code_exec unsafe_no_isolation='yes': give true"),
+    (CODE_ROWS, {"python": "python3"}, r"code_exec python='python3' is not an executable absolute"),
+    # A row's fields reach the reward beside the term's args: a row must not set them.
+    (CODE_ROWS + [{**CODE_ROWS[0], "timeout_s": 600}], {},
+     r"row 2 has the field 'timeout_s', which is a code_exec arg; set it in the reward term's"),
+    (CODE_ROWS + [{**CODE_ROWS[0], "unsafe_no_isolation": True}], {},
+     r"row 2 has the field 'unsafe_no_isolation', which is a code_exec arg"),
 ])
 def test_code_exec_rows_and_args_are_checked_at_start(rows, args, message):
     with pytest.raises(ConfigError, match="^reward 'code_exec': " + message) as e:
         check_reward_terms(code_exec_terms(**args), rows)
     assert "\n" not in str(e.value)
+
+
+def test_code_exec_says_which_python_runs_the_programs(namespaces, capsys):
+    import platform
+
+    from rewards.sandbox import interpreter
+
+    here = interpreter(sys.executable)  # the one running this test: its version is known
+    assert here.version == platform.python_version()
+    check_reward_terms(code_exec_terms(python=sys.executable), CODE_ROWS)
+    assert (f"code_exec: programs run on {here.path} (Python {here.version}), isolated"
+            in capsys.readouterr().out)
 
 
 def test_code_exec_refuses_to_start_without_isolation_unless_opted_out(namespaces, monkeypatch,
