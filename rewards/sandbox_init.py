@@ -254,6 +254,8 @@ def start_runner(req, host_proc):
 def join_call(req):
     """Into the call's cgroups (memory and process totals) and a new, empty session keyring
     (else the program shares the caller's, and its keys), before anything else is made."""
+    # Joining a v1 cgroup waits for an RCU grace period (~10 ms here): most of this call's
+    # overhead over a sandbox without cgroups; a thread during build_root did not gain it back.
     for procs in req["cgroups"]:
         with open(procs, "w") as f:
             f.write("0")  # 0: the writer itself
