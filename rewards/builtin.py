@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import re
+import sys
 
-from rewards.registry import register
+from rewards.registry import StartCheckError, register, start_check
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -90,16 +91,84 @@ def length_reward(prompt: str, completion: str, budget: int = 512, buffer: int =
     return -penalty * min(len(completion) - start, buffer) / max(buffer, 1)
 
 
-@register("code_exec")
-def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
-              memory_mb: int = 512, **row) -> float:
-    """Fraction of `tests` (Python assert statements) that the completion's code passes, run in
-    a sandbox (rewards.sandbox): own process, CPU/memory/file-size/process limits, no network,
-    a throw-away directory, a wall timeout."""
-    from rewards.sandbox import extract_code, run_tests
+CODE_EXEC_ARGS = ("timeout_s", "memory_mb", "cpu_s", "python", "unsafe_no_isolation")
+_warned_unsafe = False
 
-    if not tests:
-        return 0.0
-    passed = run_tests(extract_code(completion), list(tests), timeout_s=timeout_s,
-                       memory_mb=memory_mb)
-    return passed / len(tests)
+
+def _warn_unsafe() -> None:
+    """Once per process: the opt-out must never go unnoticed."""
+    global _warned_unsafe
+    if not _warned_unsafe:
+        _warned_unsafe = True
+        print("WARNING: code_exec runs model-written programs WITHOUT ISOLATION "
+              "(unsafe_no_isolation: true): they can read and change this machine's files, use "
+              "its network and leave processes running; limits and verdicts still apply",
+              file=sys.stderr, flush=True)
+
+
+def _check_code_exec(rows: list, args: dict) -> None:
+    from rewards.cases import check_tests
+    from rewards.sandbox import Limits, check_isolation, interpreter
+    from rewards.sandbox_limits import cgroup_bases
+
+    unknown = sorted(set(args) - set(CODE_EXEC_ARGS))
+    if unknown:
+        raise ValueError(f"code_exec args {unknown} are unknown; allowed: "
+                         f"{', '.join(CODE_EXEC_ARGS)}")
+    unsafe = args.get("unsafe_no_isolation", False)
+    if not isinstance(unsafe, bool):
+        raise ValueError(f"code_exec unsafe_no_isolation={unsafe!r}: give true or false")
+    Limits(**{k: v for k, v in args.items() if k not in ("unsafe_no_isolation", "python")})
+    for k, row in enumerate(rows):
+        if "tests" not in row:
+            raise ValueError(f"row {k} has no field 'tests' (fields: {', '.join(row)}); "
+                             f"code_exec needs each row's test cases there")
+        # A row's fields reach the reward as keyword arguments, next to the term's args: a row
+        # must not set its own limits, nor turn isolation off.
+        own = [key for key in CODE_EXEC_ARGS if key in row]
+        if own:
+            raise ValueError(f"row {k} has the field '{own[0]}', which is a code_exec arg; "
+                             f"set it in the reward term's args and drop it from the data")
+        check_tests(row["tests"], f"row {k}")
+    python = interpreter(args.get("python"))
+    where = ("with a per-call cgroup (memory_mb and processes are totals)" if cgroup_bases()
+             else "without a cgroup (memory_mb per process, 8 processes unless set)")
+    print(f"code_exec: programs run on {python.path} (Python {python.version}), "
+          f"{'WITHOUT ISOLATION' if unsafe else 'isolated ' + where}", flush=True)
+    if unsafe:
+        _warn_unsafe()
+    else:
+        check_isolation(args.get("python"))
+
+
+def check_code_exec(rows: list, args: dict) -> None:
+    """At start: known args, no row that sets them, every row's tests in the case form, the
+    interpreter (its version printed), isolation available."""
+    from rewards.sandbox import SandboxError
+
+    try:
+        _check_code_exec(rows, args)
+    except (ValueError, SandboxError) as e:
+        raise StartCheckError(str(e)) from None
+
+
+@register("code_exec")
+@start_check(check_code_exec)
+def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
+              memory_mb: int = 512, cpu_s: float | None = None, python: str | None = None,
+              unsafe_no_isolation: bool = False, **row) -> float:
+    """Fraction of the row's `tests` that the completion's last ```python block passes, in
+    [0, 1]. Cases: {"fn": "solve", "args": [1, 2], "expect": 3} (optional "tol") or
+    {"stdin": "1 2\\n", "stdout": "3\\n"}. The program runs isolated (rewards.sandbox) on
+    `python` (default /usr/bin/python3); the verdicts are made outside it.
+    unsafe_no_isolation: the opt-out, loudly warned."""
+    from rewards.sandbox import Limits, check_isolation, extract_code, run_cases
+
+    limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s)
+    if unsafe_no_isolation:
+        _warn_unsafe()
+    else:
+        check_isolation(python)
+    passed = run_cases(extract_code(completion), tests, limits, isolated=not unsafe_no_isolation,
+                       python=python)
+    return sum(passed) / len(tests)  # our count of cases: whatever the program wrote, <= 1

@@ -6,6 +6,8 @@ dataset row's other fields (e.g. `answer`) and the term's `args`. A batched rewa
 `@batched`, is `fn(prompts: list[str], completions: list[str], **columns) -> list[float]` where
 each column is a list over the batch. Either may be `async def`.
 Installed packages register rewards under the entry-point group `rlstack.rewards`.
+A reward may carry a start check (`@start_check`) that rl/ runs once, on all dataset rows,
+before anything else starts.
 """
 from __future__ import annotations
 
@@ -37,6 +39,27 @@ def batched(fn):
 
 def is_batched(fn) -> bool:
     return bool(getattr(fn, "__reward_batched__", False))
+
+
+class StartCheckError(ValueError):
+    """A reward's start check refused the run; the message is one line: the row or arg, what
+    was given, the fix."""
+
+
+def start_check(check: Callable[[list, dict], None]):
+    """Give a reward `check(rows, args)`, run once at start with every dataset row and the
+    term's args, before any sample is scored; it raises ValueError (StartCheckError, or any
+    other ValueError with a one-line message) to refuse the run. E.g. code_exec checks each
+    row's tests."""
+    def wrap(fn):
+        fn.__reward_start_check__ = check
+        return fn
+    return wrap
+
+
+def start_check_of(fn) -> Callable[[list, dict], None] | None:
+    """The start check `fn` carries (see start_check), or None."""
+    return getattr(fn, "__reward_start_check__", None)
 
 
 def _entry_point_names() -> dict:

@@ -12,7 +12,7 @@ from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
-from rl.rewarding import RewardScorer
+from rl.rewarding import RewardScorer, check_reward_terms
 from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
 from update.losses import kl as kl_estimate
 
@@ -53,8 +53,11 @@ def reduce_rank_metrics(results: list[dict]) -> dict:
 
 
 class Controller:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rows: list[dict] | None = None):
+        """rows: the data set, already through the rewards' start checks (rl-train does both
+        before the heavy imports); None: setup loads and checks it."""
         self.cfg = cfg
+        self.rows = rows
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
@@ -79,13 +82,16 @@ class Controller:
         from rl.warmup import run_warmup
 
         cfg = self.cfg
+        rows = self.rows
+        if rows is None:
+            rows = resolve_rows(cfg.data, cfg.run.seed)
+            check_reward_terms(cfg.reward, rows)  # bad rewards or tests fail before Ray starts
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)
         model_path = resolve_model_path(cfg.model.path, cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.prompts = PromptSet(resolve_rows(cfg.data, cfg.run.seed), self.tokenizer, cfg.data,
-                                 cfg.run.seed, cfg.rollout)
+        self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
         start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.placement = start_placement(cfg)

@@ -10,8 +10,8 @@ import math
 import re
 
 from rewards.pool import ERROR, OK, TIMEOUT, RewardPool
-from rewards.registry import is_batched, resolve
-from rl.config import RewardConfig, RewardTerm
+from rewards.registry import is_batched, resolve, start_check_of
+from rl.config import ConfigError, RewardConfig, RewardTerm
 
 REWARD_MODEL = "reward_model"
 
@@ -20,6 +20,24 @@ def term_alias(term: RewardTerm) -> str:
     if term.alias:
         return term.alias
     return re.sub(r"[^A-Za-z0-9_.-]", "_", term.name.rpartition(":")[2] or term.name)
+
+
+def check_reward_terms(cfg: RewardConfig, rows: list[dict]) -> None:
+    """Each term's start check on every dataset row (e.g. code_exec's test cases and sandbox),
+    and every name resolved: run before Ray and the engines start, so a bad recipe or data set
+    fails in seconds. A refusal is a ConfigError naming the term."""
+    for term in cfg.functions:
+        if term.name == REWARD_MODEL:
+            continue
+        try:
+            check = start_check_of(resolve(term.name))
+        except ValueError as e:  # an unknown name: the message lists the known ones
+            raise ConfigError(str(e)) from None
+        try:
+            if check is not None:
+                check(rows, dict(term.args))
+        except ValueError as e:  # a refusal, one line (rewards.registry.start_check)
+            raise ConfigError(f"reward '{term.name}': {e}") from None
 
 
 class RewardScorer:

@@ -63,10 +63,27 @@ def test_format_and_length():
     assert length_reward(prompt="q", completion="x" * 30, budget=10, buffer=4) == -1.0
 
 
-def test_code_exec_fraction_of_tests():
+def test_code_exec_fraction_of_tests(namespaces):
     completion = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
-    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(0, 0) == 0"]
+    tests = [{"fn": "add", "args": [1, 2], "expect": 3}, {"fn": "add", "args": [2, 2], "expect": 5},
+             {"fn": "add", "args": [0, 0], "expect": 0}]
     assert code_exec(prompt="q", completion=completion, tests=tests) == pytest.approx(2 / 3)
+
+
+def test_code_exec_refuses_assert_strings():
+    with pytest.raises(ValueError, match="assert strings are not run any more"):
+        code_exec(prompt="q", completion="def f(): return 1", tests=["assert f() == 1"])
+
+
+def test_code_exec_opt_out_warns_once_and_still_judges_outside(capsys):
+    import rewards.builtin
+
+    rewards.builtin._warned_unsafe = False
+    tests = [{"fn": "f", "args": [], "expect": 1}]
+    for code, reward in (("def f(): return 1", 1.0), ("def f(): return True", 0.0)):
+        assert code_exec(prompt="q", completion=code, tests=tests,
+                         unsafe_no_isolation=True) == reward
+    assert capsys.readouterr().err.count("WITHOUT ISOLATION") == 1
 
 
 def test_resolve_builtin_module_and_file(tmp_path):

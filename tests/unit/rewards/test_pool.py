@@ -1,0 +1,58 @@
+"""The reward pool's timeout kills the worker mid-call: a code_exec sandbox running there must
+go with it, its detached processes included, and the call's cgroups must not pile up."""
+import os
+import threading
+
+from rewards.pool import OK, TIMEOUT, RewardPool
+from rewards.sandbox_limits import PREFIX, cgroup_bases
+
+BLOCKER = """```python
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "97.541"])
+    os._exit(0)
+time.sleep(60)
+def solve(x):
+    return x
+```"""
+
+
+def cgroups_of(pid: int) -> list[str]:
+    """The per-call cgroups a process made that are still there."""
+    return [name for _, base in cgroup_bases() for name in os.listdir(base)
+            if name.startswith(f"{PREFIX}{pid}-")]
+
+
+def test_a_pool_timeout_leaves_nothing_running_or_behind(namespaces, leftovers):
+    tests = [{"fn": "solve", "args": [1], "expect": 1}]
+    warm = (0, {"prompt": "p", "completion": "def solve(x):\n    return x\n", "tests": tests})
+    pool = RewardPool(["code_exec"], num_workers=1, timeout_s=4.0)
+    try:
+        assert pool.run([warm]) == [(OK, 1.0)]  # the worker is up and has probed isolation
+        killed = pool.workers[0].process.pid
+        seen, stop = [], threading.Event()
+
+        def watch():  # proof the sleeper did start, so its absence afterwards means something
+            while not stop.is_set() and not seen:
+                seen.extend(leftovers.pids_with(["97.541"]))
+                stop.wait(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        # the sandbox's own limit (30 s) is far past the pool's (4 s): the pool's kill acts
+        result = pool.run([(0, {"prompt": "p", "completion": BLOCKER, "tests": tests,
+                                "timeout_s": 30.0})])
+        stop.set()
+        watcher.join()
+        assert result == [(TIMEOUT, None)]
+        assert seen, "the sandboxed program never started its sleeper"
+        assert leftovers(["97.541"]) == []
+        if cgroup_bases():
+            # The killed worker could not remove its call's cgroups: the next call sweeps them.
+            assert cgroups_of(killed), "the killed call made no cgroup"
+            assert pool.run([warm]) == [(OK, 1.0)]
+            assert cgroups_of(killed) == []
+    finally:
+        pool.close()

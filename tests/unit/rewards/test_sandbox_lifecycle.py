@@ -1,0 +1,106 @@
+"""How a code_exec sandbox ends: nothing of it outlives the call (detached processes, zombies),
+the caller's deadline holds, pid 1 keeps its own, and a program that has answered does not
+hold the call open."""
+import time
+
+from rewards.sandbox import Limits, call_cgroup, run_isolated, start_isolated
+
+MARKERS = ["97.531", "97.532", "97.533", "97.534"]
+DETACH = """
+    import os, subprocess, time
+    # Children in sessions of their own, started three ways, leaving a grandchild too: through
+    # subprocess, through posix_spawn (no fork in Python at all), and a classic double fork.
+    subprocess.Popen(["/bin/sh", "-c", "sleep 97.531 & exec sleep 97.532"],
+                     start_new_session=True)
+    os.posix_spawn("/bin/sleep", ["sleep", "97.533"], {}, setsid=True)
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv("/bin/sleep", ["sleep", "97.534"])
+        os._exit(0)
+    def running():
+        seen = b""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                seen += open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                pass
+        return all(m in seen for m in (b"97.531", b"97.532", b"97.533", b"97.534"))
+    end = time.time() + 5
+    while not running():
+        assert time.time() < end, "the detached sleepers did not start"
+        time.sleep(0.02)
+"""
+HANG = "import time\ndef solve(x):\n    time.sleep(60)\n"  # no CPU used: no CPU limit
+JOB = {"timeout_s": 1.0, "cases": [{"fn": "solve", "args": [1]}]}
+
+
+def test_detached_children_and_grandchildren_do_not_outlive_the_call(score, programs,
+                                                                     leftovers):
+    assert score(programs.hostile(DETACH)) == 1.0  # 1: they did start, so their absence counts
+    assert leftovers(MARKERS) == []
+
+
+def test_a_program_that_never_returns_is_stopped_at_the_timeout(form):
+    run = run_isolated(HANG, JOB, Limits(timeout_s=1.0))
+    assert run.timed_out and run.answers == b""
+
+
+def test_a_program_that_answered_does_not_hold_the_call(form, programs):
+    # A non-daemon thread (and an atexit hook) would keep the interpreter alive past its
+    # answers: the runner exits without waiting, so the sandbox ends by itself.
+    code = """
+        import atexit, threading, time
+        threading.Thread(target=time.sleep, args=(30,)).start()
+        atexit.register(time.sleep, 30)
+    """
+    job = {"timeout_s": 3.0, "cases": [{"fn": "solve", "args": [1]}]}
+    run = run_isolated(programs.hostile(code), job, Limits(timeout_s=3.0))
+    assert run.answers == b'{"i": 0, "value": 1}\n'
+    assert not run.timed_out
+
+
+ZOMBIES = """
+    # A subreaper, as a container's init or a process supervisor is: what the sandbox leaves
+    # unreaped when killed at the timeout would come here.
+    import ctypes, json, os
+    assert ctypes.CDLL(None).prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    import rewards.sandbox as sandbox
+    from rewards.sandbox import Limits, run_cases
+    sandbox.needs_user_namespace = lambda: {form!r} == "user"
+    verdicts = [run_cases({hang!r}, [{{"fn": "solve", "args": [1], "expect": 1}}],
+                          Limits(timeout_s=1.0)) for _ in range(2)]
+    print(json.dumps([verdicts, open(f"/proc/self/task/{{os.getpid()}}/children").read()]))
+"""
+
+
+def test_timed_out_calls_leave_no_zombies(form, run_python):
+    verdicts, children = run_python(ZOMBIES.format(form=form, hang=HANG))
+    assert verdicts == [[False], [False]]
+    assert children.split() == []
+
+
+def test_pid_1_keeps_its_own_deadline_when_nobody_kills_it(form, programs, leftovers):
+    # As if the parent had died before it could kill anything: nobody reads, nobody kills.
+    code = programs.hostile(DETACH) + "import time\ntime.sleep(60)\n"
+    with call_cgroup(Limits(timeout_s=1.0)) as cgroup:
+        proc, request = start_isolated(code, JOB, Limits(timeout_s=1.0), cgroup=cgroup)
+        watch_pid_1_alone(proc, request, leftovers)
+
+
+def watch_pid_1_alone(proc, request, leftovers):
+    """Send the request, then neither read nor kill: the sleepers start, and go with pid 1."""
+    try:
+        proc.stdin.write(request)
+        proc.stdin.close()
+        end = time.monotonic() + 5
+        while len(leftovers.pids_with(MARKERS)) < 4 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert len(leftovers.pids_with(MARKERS)) == 4, "the sleepers never started"
+        proc.wait(timeout=15)  # pid 1 gives up at 1 s + its grace, taking the namespace along
+        assert leftovers(MARKERS) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -1,0 +1,29 @@
+"""rl-train's start: a recipe or data set it refuses is one line and exit status 2, before
+torch, Ray or an engine is loaded."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import rl
+
+ROOT = Path(rl.__file__).resolve().parents[1]
+MAIN = ("import sys, rl.cli\n"
+        "code = rl.cli.main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('ray', 'torch', 'vllm', 'deepspeed') if m in sys.modules))\n"
+        "sys.exit(code)\n")
+
+
+def test_a_data_set_a_reward_refuses_stops_the_start_in_one_line(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Write f.", "tests": ["assert f() == 1"]}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("reward:\n  functions:\n    - name: code_exec\n")
+    done = subprocess.run([sys.executable, "-c", MAIN, str(recipe), f"data.train_path={rows}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("rl-train:")]
+    assert len(said) == 1 and done.stderr.rstrip().endswith(said[0])
+    assert said[0].startswith("rl-train: reward 'code_exec': row 0: tests[0] is the string "
+                              "'assert f() == 1'; assert strings are not run any more")
+    assert done.stdout.strip() == "[]"  # nothing heavy was imported
