@@ -1,14 +1,13 @@
 """The one-pass update (old logprobs from the training forward) equals the two-pass update (a
 separate old-logprob forward first): same loss, KL, grad norm and updated weights, on a real
 DeepSpeed ZeRO-3 engine (world size 1, gloo), with TIS and a KL loss to the reference."""
-import socket
-
 import pytest
-import torch.multiprocessing as mp
+
+from tests.spawn import spawn_world
 
 
 
-def _compare(cache_dir: str, port: int, out) -> None:
+def _compare(rank: int, world_size: int, port: int, cache_dir: str, out) -> None:
     import os
 
     os.environ["RL_CACHE_DIR"] = cache_dir
@@ -71,17 +70,7 @@ def _initial(path: str) -> dict:
 
 @pytest.mark.integration
 def test_one_pass_equals_two_pass(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        p = ctx.Process(target=_compare, args=(str(tmp_path), port, out))
-        p.start()
-        p.join(300)
-        assert p.exitcode == 0, p.exitcode
-        out = dict(out)
+    out = spawn_world(_compare, 1, str(tmp_path))
     for key in ("loss/policy", "loss/kl", "grad_norm", "mismatch/kl", "kl/mean",
                 "mismatch/max_abs_diff", "mismatch/tis_weight_mean", "loss/ratio_mean"):
         two, one = out["metrics"][key]

@@ -13,8 +13,8 @@ import pytest
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.spawn import spawn_world
 from weight_sync.layout import new_buffer, plan_layout, unflatten
 from weight_sync.node_buckets import NodeBuckets
 from weight_sync.transport import ShardGather, _shards_to_rank0
@@ -63,19 +63,7 @@ def run(rank: int, world: int, port: int, mode: str, out) -> None:
 
 def spawn(target, mode: str = "") -> dict:
     """Run target(rank, 2, port, mode, out) in two processes of one gloo world; returns out."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        procs = [ctx.Process(target=target, args=(r, 2, port, mode, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return dict(out)
+    return spawn_world(target, 2, mode, timeout_s=60)
 
 
 def test_shards_come_back_whole_on_rank_0():
