@@ -30,21 +30,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# rl-train's own settings per preset: ZeRO-2 for models this small on one host (parameters
+# whole on each rank, gradients and optimizer state sharded). On SmolLM2 its update took 11.5 s
+# where ZeRO-3 took 14.6-15.0 s (with or without parameter persistence): ZeRO-3's per-parameter
+# gradient partitioning costs more than its gathers, and its prefetch for a backward that never
+# comes made the post-sync probe forward 1.1 s instead of 0.2-0.3 s.
 PRESETS = {
     # the quickstart's work: tiny-qwen2 after its warm-up, 32 prompts x 8 samples x 8 tokens
     "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
                  prompts=32, n=8, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=128,
-                 skip=3, steps=20, dtypes=["float32"]),
+                 zero_stage=2, skip=3, steps=20, dtypes=["float32"]),
     # a real pretrained model: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 64 tokens
     "smollm2": dict(model="builtin:smollm2-135m", warmup_steps=0, answer_noise=0.0,
                     max_operand=15, prompts=4, n=4, max_new_tokens=64, lr=1e-6, kl=0.001,
-                    micro_batch=8, skip=1, steps=4,
+                    micro_batch=8, zero_stage=2, skip=1, steps=4,
                     # bf16 rows (--dtypes float32,bfloat16) need a bf16 probe tolerance for
                     # rl-train's post-sync check (sync.tolerance; 1e-3 fits float32 only)
                     dtypes=["float32"]),
     "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
                   prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=16,
-                  skip=0, steps=2, dtypes=["float32"]),
+                  zero_stage=3, skip=0, steps=2, dtypes=["float32"]),
 }
 ROWS = ("rl-train", "trl", "raw")
 
@@ -62,7 +67,7 @@ def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
         "rollout": {"n": preset["n"], "prompts_per_step": preset["prompts"],
                     "max_new_tokens": preset["max_new_tokens"], "dtype": dtype},
         "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
-                    "micro_batch_size": preset["micro_batch"]},
+                    "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"]},
         "algorithm": {"name": "grpo", "advantage": "grpo",
                       "loss": {"kl_coef": preset["kl"], "kl_estimator": "k3"}},
         "reward": {"functions": [{"name": "exact_answer"}]},
