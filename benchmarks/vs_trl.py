@@ -32,9 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # rl-train's own settings per preset: ZeRO-2 for models this small on one host (parameters
 # whole on each rank, gradients and optimizer state sharded). On SmolLM2 its update took 11.5 s
-# where ZeRO-3 took 14.6-15.0 s (with or without parameter persistence): ZeRO-3's per-parameter
-# gradient partitioning costs more than its gathers, and its prefetch for a backward that never
-# comes made the post-sync probe forward 1.1 s instead of 0.2-0.3 s.
+# where ZeRO-3 took 14.6-15.0 s (with or without parameter persistence, so not its gathers),
+# and the post-sync probe's forward took 0.2 s where ZeRO-3's first forward after a step took
+# 1.1 s (the cause is open: not its prefetch, which made no difference when turned off).
 PRESETS = {
     # the quickstart's work: tiny-qwen2 after its warm-up, 32 prompts x 8 samples x 8 tokens
     "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
