@@ -17,17 +17,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def checked_rows(cfg) -> list[dict]:
-    """The data set's rows, through every reward term's start check (e.g. code_exec's tests
-    and sandbox): before torch, Ray or an engine starts, so a bad data set fails in seconds."""
-    from rl.data import resolve_rows
-    from rl.rewarding import check_reward_terms
-
-    rows = resolve_rows(cfg.data, cfg.run.seed)
-    check_reward_terms(cfg.reward, rows)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     """Load the recipe, check the data against the rewards, train; a refusal at start is one
     line `rl-train: ...` on stderr and exit status 2."""
@@ -39,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg))
             return 0
+        from rl.rewarding import checked_rows
+
         rows = checked_rows(cfg)
     except (ConfigError, FileNotFoundError) as e:
         print(f"rl-train: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
-from rl.rewarding import RewardScorer, check_reward_terms
+from rl.rewarding import RewardScorer, checked_rows
 from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
 from update.losses import kl as kl_estimate
 
@@ -77,15 +77,13 @@ class Controller:
         import ray
         from transformers import AutoTokenizer
 
-        from rl.data import PromptSet, resolve_rows
+        from rl.data import PromptSet
         from rl.models import resolve_model_path
         from rl.warmup import run_warmup
 
         cfg = self.cfg
-        rows = self.rows
-        if rows is None:
-            rows = resolve_rows(cfg.data, cfg.run.seed)
-            check_reward_terms(cfg.reward, rows)  # bad rewards or tests fail before Ray starts
+        # bad rewards or tests fail before Ray starts
+        rows = self.rows if self.rows is not None else checked_rows(cfg)
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)

@@ -40,6 +40,16 @@ def check_reward_terms(cfg: RewardConfig, rows: list[dict]) -> None:
             raise ConfigError(f"reward '{term.name}': {e}") from None
 
 
+def checked_rows(cfg) -> list[dict]:
+    """The data set's rows (a Config's data section), through every reward term's start check:
+    before torch, Ray or an engine starts, so a bad data set fails in seconds."""
+    from rl.data import resolve_rows
+
+    rows = resolve_rows(cfg.data, cfg.run.seed)
+    check_reward_terms(cfg.reward, rows)
+    return rows
+
+
 class RewardScorer:
     def __init__(self, cfg: RewardConfig, prompt_key: str):
         self.cfg, self.prompt_key = cfg, prompt_key
