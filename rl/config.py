@@ -269,6 +269,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 1, 2 or 3")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"trainer.dtype={cfg.trainer.dtype!r}: use float32 or bfloat16")
+    if cfg.trainer.bf16_mode not in ("weights", "autocast"):
+        raise ConfigError(f"trainer.bf16_mode={cfg.trainer.bf16_mode!r}: use weights or autocast")
     if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
         raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
 

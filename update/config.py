@@ -12,6 +12,9 @@ class TrainerConfig:
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     dtype: str = "float32"
     "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
+    bf16_mode: str = "weights"
+    ("How bfloat16 trains: weights (DeepSpeed bf16: bf16 weights and gradients, fp32 master "
+     "copy in the optimizer) or autocast (fp32 weights, matmuls in bf16 under torch.autocast).")
     lr: float = 1e-5
     "AdamW learning rate of the policy."
     critic_lr: float = 1e-4

@@ -63,8 +63,15 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             "stage": cfg.zero_stage if train or cfg.zero_stage == 3 else 0,
             # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
             "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
+            # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide
+            # and computes x @ W.t() with matmul: for the strided hidden states that
+            # logits_to_keep slices it falls back to a batched matmul that copies the weight once
+            # per sample (on the 49k-vocabulary head of SmolLM2, over half the step on CPU)
+            "memory_efficient_linear": False,
         },
-        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "bf16": {"enabled": cfg.dtype == "bfloat16" and cfg.bf16_mode == "weights"},
+        "torch_autocast": {"enabled": cfg.dtype == "bfloat16" and cfg.bf16_mode == "autocast",
+                           "dtype": "bfloat16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

@@ -19,6 +19,9 @@ def _compare(rank: int, world_size: int, port: int, cache_dir: str, out) -> None
     from update.losses import BatchCounts, old_logprob_metrics
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed
 
+    import torch.nn.functional as F
+
+    linear = F.linear
     torch.manual_seed(0)
     init_distributed(0, 1, "127.0.0.1", port)
     path = str(build_tiny_model("tiny-qwen2"))
@@ -55,6 +58,9 @@ def _compare(rank: int, world_size: int, port: int, cache_dir: str, out) -> None
             metrics["mismatch/max_abs_diff"] = max(p["mismatch/max_abs_diff"] for p in pieces)
         state = full_state_dict(trainer.engine, cfg)
         results[mode] = (metrics, {k: v.clone() for k, v in state.items()})
+    # ZeRO-3's "memory efficient" linear would have replaced F.linear process-wide (slow on the
+    # strided hidden states that logits_to_keep slices); the config keeps torch's
+    out["linear_replaced"] = F.linear is not linear
     (m2, w2), (m1, w1) = results["two_pass"], results["one_pass"]
     out["metrics"] = {k: (m2[k], m1.get(k)) for k in m2}
     out["weight_diff"] = max(float((w2[k] - w1[k]).abs().max()) for k in w2)
@@ -77,4 +83,5 @@ def test_one_pass_equals_two_pass(tmp_path):
         assert one == pytest.approx(two, abs=1e-6), (key, two, one)
     assert out["moved"] > 1e-3, "the step must change the weights for the comparison to mean much"
     assert out["weight_diff"] <= 1e-6, out["weight_diff"]
+    assert not out["linear_replaced"], "ZeRO-3 replaced torch.nn.functional.linear"
 
