@@ -34,9 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rl-train: {e}", file=sys.stderr)
         return 2
+    import signal
+
+    def stop(signum, frame):  # `ray job stop` and `kill` send SIGTERM: stop like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     from rl.controller import Controller
 
-    Controller(cfg, rows).run()
+    try:
+        Controller(cfg, rows).run()
+    except KeyboardInterrupt:
+        # a deliberate stop, not a failure: the controller has stopped its actors and closed
+        # its logs; what was written stays
+        print("rl-train: stopped by a signal; the run directory keeps every step logged so far",
+              file=sys.stderr)
+        return 130
     return 0
 
 

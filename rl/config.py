@@ -24,6 +24,13 @@ class RunConfig:
     "Seed for data order, sampling and model building."
     log_samples: int = 2
     "Completions printed to rollouts.jsonl per step (all are kept when -1)."
+    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
+    ("Where metrics go: jsonl (metrics.jsonl, always), tensorboard (event files in "
+     "<run>/tensorboard), wandb (offline in <run>/wandb unless WANDB_API_KEY is set).")
+    wandb_project: str = "rlstack"
+    "W&B project of the run (with run.loggers including wandb)."
+    timeline_steps: int = 20
+    "RL steps recorded in timeline.json (Chrome trace; opens in Perfetto); 0 writes none."
 
 
 @dataclass
@@ -160,6 +167,12 @@ class RayConfig:
     "Disaggregated: CPUs Ray reserves per rollout engine."
     num_gpus_per_rollout_worker: float = 0.0
     "Disaggregated: GPUs Ray reserves per rollout engine (1.0 on a GPU cluster)."
+    trainer_resources: Dict[str, float] = field(default_factory=dict)
+    ("Ray custom resources each trainer rank (colocated: each worker) asks for, e.g. "
+     "{trainer_node: 1} with `ray start --resources '{\"trainer_node\": 2}'` on the nodes "
+     "that should run them.")
+    rollout_resources: Dict[str, float] = field(default_factory=dict)
+    "Disaggregated: Ray custom resources each rollout engine asks for, e.g. {rollout_node: 1}."
 
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -271,8 +284,30 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.dtype={cfg.trainer.dtype!r}: use float32 or bfloat16")
     if cfg.trainer.bf16_mode not in ("weights", "autocast"):
         raise ConfigError(f"trainer.bf16_mode={cfg.trainer.bf16_mode!r}: use weights or autocast")
+    check_loggers(cfg.run)
+    if cfg.ray.rollout_resources and cfg.placement != "disaggregated":
+        raise ConfigError("ray.rollout_resources places rollout engines of their own: it needs "
+                          "placement=disaggregated (colocated workers take ray.trainer_resources)")
     if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
         raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
+
+
+LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name: package
+
+
+def check_loggers(run: RunConfig) -> None:
+    """Known logger names whose packages import, before anything heavy starts."""
+    import importlib.util
+
+    for name in run.loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"run.loggers has {name!r}; known: {', '.join(LOGGERS)}")
+        package = LOGGERS[name]
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"run.loggers has {name!r} but the {package} package is not "
+                              f"installed; pip install -e '.[log]' (scripts/setup.sh does)")
+    if run.timeline_steps < 0:
+        raise ConfigError(f"run.timeline_steps={run.timeline_steps}: use 0 (none) or more")
 
 
 def grad_accum_steps(cfg: Config) -> int:

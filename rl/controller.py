@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -12,7 +13,9 @@ from rl.collect import collect, overlong_penalty
 from rl.config import Config, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
+from rl.progress import wait_with_progress
 from rl.rewarding import RewardScorer, checked_rows
+from rl.timeline import Spans, Timeline, traced
 from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
 from update.losses import kl as kl_estimate
 
@@ -61,6 +64,9 @@ class Controller:
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
+        self.spans = Spans()  # the driver's track of timeline.json
+        self.timeline = None
+        self.log = None
 
     @property
     def trainers(self) -> list:
@@ -87,27 +93,41 @@ class Controller:
         self.run_dir = new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}", flush=True)
+        if cfg.run.timeline_steps > 0:
+            self.timeline = Timeline(self.run_dir / "timeline.json", cfg.run.timeline_steps)
+        span = self.spans.span
         model_path = resolve_model_path(cfg.model.path, cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
-        start_ray(cfg)
+        with span("start ray"):
+            start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
-        self.placement = start_placement(cfg)
+        with span("start placement"):
+            self.placement = start_placement(cfg)
         if cfg.warmup.sft_steps > 0:
-            model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer, cfg)
+            with span("warm-up"):
+                model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer,
+                                        cfg)
         self.model_path = model_path
         self.grad_accum = grad_accum_steps(cfg)
-        ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
-                                       self.grad_accum, cfg.rollout.temperature,
-                                       float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
-                 for w in self.trainers])
-        self.placement.init_rollout(model_path, self.policy_version)
+        with span("init trainer"):
+            ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
+                                           self.grad_accum, cfg.rollout.temperature,
+                                           float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
+                     for w in self.trainers])
+        with span("init engines"):
+            self.placement.init_rollout(model_path, self.policy_version)
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
-        self.log = RunLog(self.run_dir, cfg.trainer.total_steps)
+        from rl.loggers import open_loggers
+
+        loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project)
+        self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers)
+        self.record_timeline(0)
 
     # ------------------------------------------------------------------ one step
+    @traced("generate")
     def generate(self, rows: list[int], step: int, round_index: int = 0) -> list[Sample]:
         """n samples per prompt row, spread over the engines, gathered in order; each engine
         first checks it holds the current policy version."""
@@ -134,6 +154,7 @@ class Controller:
                                           policy_version=result["policy_version"]))
         return samples
 
+    @traced("reward")
     def score(self, samples: list[Sample]) -> dict:
         """Reward each sample; score = reward + overlong shaping (what advantages use)."""
         algo, max_len = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
@@ -145,6 +166,7 @@ class Controller:
                                            algo.overlong_penalty)
         return metrics
 
+    @traced("prepare")
     def prepare(self, samples: list[Sample]) -> dict:
         """Old/reference logprobs and values from the trainers, once per batch; mismatch and KL
         metrics; the KL reward penalty when the KL is not a loss term."""
@@ -172,6 +194,7 @@ class Controller:
                                                                  loss_cfg.kl_estimator) * mask
         return metrics
 
+    @traced("advantages")
     def advantages(self, samples: list[Sample]) -> dict:
         mask = response_mask(samples)
         inputs = AdvantageInputs(
@@ -186,6 +209,7 @@ class Controller:
         return {"advantages/mean": float((adv * mask).sum() / n),
                 "advantages/abs_mean": float((adv.abs() * mask).sum() / n)}
 
+    @traced("update")
     def update(self, samples: list[Sample], step: int) -> dict:
         """ppo_epochs passes, each num_mini_batches optimizer steps (policy, and critic)."""
         import ray
@@ -206,6 +230,7 @@ class Controller:
         totals["grad/norm"] = totals.pop("grad_norm")
         return totals
 
+    @traced("sync")
     def sync(self) -> dict:
         """Make every engine the next policy version, verified. A sync that failed its checks
         (e.g. a corrupted bucket) is reported and retried once; a second failure stops the run."""
@@ -269,23 +294,52 @@ class Controller:
 
     # ------------------------------------------------------------------ outputs
     def checkpoint(self, step: int) -> None:
-        import ray
-
         every = self.cfg.trainer.checkpoint_every
         if every and step % every == 0:
-            directory = str((self.run_dir / "checkpoints").resolve())
-            ray.get([w.save_checkpoint.remote(directory, f"step_{step}") for w in self.trainers])
+            self.save_checkpoint(step)
 
+    @traced("checkpoint")
+    def save_checkpoint(self, step: int) -> None:
+        directory = str((self.run_dir / "checkpoints").resolve())
+        wait_with_progress([w.save_checkpoint.remote(directory, f"step_{step}")
+                            for w in self.trainers], f"checkpoint step_{step}")
+
+    @traced("save")
     def finish(self) -> Path:
-        import ray
-
         final = self.run_dir / "final_model"
-        ray.get([w.save_hf.remote(str(final.resolve())) for w in self.trainers])
+        wait_with_progress([w.save_hf.remote(str(final.resolve())) for w in self.trainers],
+                           "saving the final model")
         self.tokenizer.save_pretrained(final)
         self.log.plot()
         return final
 
+    def actor_tracks(self) -> list[tuple[str, object]]:
+        """(track name, actor) for every actor of the placement, trainers first."""
+        if self.engines is self.trainers:
+            return [(f"worker {i} (trainer rank {i} + engine {i})", w)
+                    for i, w in enumerate(self.trainers)]
+        return ([(f"trainer rank {i}", w) for i, w in enumerate(self.trainers)]
+                + [(f"rollout engine {i}", e) for i, e in enumerate(self.engines)])
+
+    def record_timeline(self, step: int, final: bool = False) -> None:
+        """Add the spans every process recorded since the last call to timeline.json (steps up
+        to run.timeline_steps, the set-up as step 0, the final save)."""
+        import ray
+
+        if self.timeline is None or not (self.timeline.recording(step) or final):
+            return
+        keep = not final and self.timeline.recording(step + 1)
+        tracks = self.actor_tracks() if self.placement is not None else []
+        spans = ray.get([a.drain_spans.remote(keep) for _, a in tracks])
+        self.timeline.add("driver (controller)", self.spans.drain(), step)
+        for (name, _), items in zip(tracks, spans):
+            self.timeline.add(name, items, step)
+        self.timeline.write()
+        self.spans.enabled = keep
+
     def shutdown(self) -> None:
+        if self.log is not None:
+            self.log.close()
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
@@ -300,7 +354,9 @@ class Controller:
             for step in range(1, self.cfg.trainer.total_steps + 1):
                 self.step(step)
                 self.checkpoint(step)
+                self.record_timeline(step)
             final = self.finish()
+            self.record_timeline(self.cfg.trainer.total_steps, final=True)
             print(f"done: metrics {self.log.metrics_path}, model {final}", flush=True)
             return self.run_dir
         finally:

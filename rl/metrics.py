@@ -1,18 +1,27 @@
-"""What a run leaves for people: metrics.jsonl, a console line per step, rollouts, a plot."""
+"""What a run leaves for people: metrics.jsonl (and TensorBoard / W&B), a console line or bar
+per step, rollouts, a plot."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
 
+from rl.progress import Progress
+
+# the step's phases, as the plot stacks them
+PHASES = ("time/rollout", "time/reward", "time/update", "time/sync")
+
 
 class RunLog:
-    def __init__(self, run_dir: Path, total_steps: int):
+    def __init__(self, run_dir: Path, total_steps: int, loggers: list | None = None,
+                 stream=None):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.metrics_path = run_dir / "metrics.jsonl"
         self.rollouts_path = run_dir / "rollouts.jsonl"
         self.history: list[dict] = []
+        self.loggers = loggers or []
+        self.progress = Progress(total_steps, "RL steps", stream=stream)
 
     def log_step(self, metrics: dict) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
@@ -21,7 +30,17 @@ class RunLog:
         self.history.append(clean)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
-        print(self.console_line(clean), flush=True)
+        for logger in self.loggers:
+            logger.log(clean, clean["step"])
+        self.progress.update(clean["step"], self.console_line(clean),
+                             {"reward": f"{clean['reward/mean']:.3f}",
+                              "s/step": f"{clean['time/step']:.2f}"})
+
+    def close(self) -> None:
+        self.progress.close()
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
 
     def console_line(self, m: dict) -> str:
         step = m["step"]
@@ -46,24 +65,70 @@ class RunLog:
                 f.write(json.dumps({"step": step, **r}) + "\n")
 
     def plot(self) -> Path | None:
-        """metrics.png: reward, loss, KL and response length against step."""
+        """metrics.png: reward (raw and smoothed), held-out evaluation when there is one, KL,
+        response length and the step time split into its phases, against step."""
         if not self.history:
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
-        keys = [k for k in ("reward/mean", "loss/policy", "kl/mean", "response/length_mean",
-                            "sync/logprob_max_abs_diff", "time/step") if k in self.history[0]]
-        fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
         steps = [m["step"] for m in self.history]
-        for ax, key in zip(axes, keys):
-            ax.plot(steps, [m.get(key, math.nan) for m in self.history])
-            ax.set_title(key, fontsize=9)
-            ax.set_xlabel("step", fontsize=8)
+
+        def series(key):
+            return [m.get(key, math.nan) for m in self.history]
+
+        panels = [("reward", self._plot_reward)]
+        evals = sorted({k for m in self.history for k in m if k.startswith("eval/")})
+        if evals:
+            panels.append(("held-out evaluation", lambda ax: [
+                ax.plot(*zip(*[(m["step"], m[k]) for m in self.history if k in m]), marker="o",
+                        label=k.removeprefix("eval/")) for k in evals]))
+        for key, title in (("kl/mean", "KL to the reference"),
+                           ("response/length_mean", "response length (tokens)")):
+            if key in self.history[0]:
+                panels.append((title, lambda ax, key=key: ax.plot(steps, series(key))))
+        panels.append(("step time (s)", lambda ax: ax.stackplot(
+            steps, *[series(k) for k in PHASES],
+            labels=[k.removeprefix("time/") for k in PHASES], alpha=0.8)))
+        self.plot_panels = [title for title, _ in panels]
+        cols = min(3, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+        for ax, (title, draw) in zip(axes.flat, panels):
+            draw(ax)
+            ax.set_title(title, fontsize=11)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="best")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(self.run_dir.name, fontsize=12)
         fig.tight_layout()
         out = self.run_dir / "metrics.png"
-        fig.savefig(out, dpi=90)
+        fig.savefig(out, dpi=110)
         plt.close(fig)
         return out
+
+    def _plot_reward(self, ax) -> None:
+        steps = [m["step"] for m in self.history]
+        raw = [m["reward/mean"] for m in self.history]
+        ax.plot(steps, raw, color="tab:blue", alpha=0.3, linewidth=1, label="per step")
+        ax.plot(steps, smooth(raw), color="tab:blue", linewidth=2, label="smoothed")
+
+
+def smooth(values: list[float], window_fraction: float = 0.1) -> list[float]:
+    """Exponential moving average with a span of ~10% of the run (TensorBoard-style
+    smoothing, debiased so the first points are not pulled towards zero)."""
+    span = max(1.0, window_fraction * len(values))
+    alpha = 2.0 / (span + 1.0)
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        avg = (1 - alpha) * avg + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(avg / weight)
+    return out

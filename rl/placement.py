@@ -33,8 +33,9 @@ def start_ray(cfg: Config) -> None:
                  runtime_env={"env_vars": env})
 
 
-def _bundle(cpus: float, gpus: float) -> dict:
-    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+def _bundle(cpus: float, gpus: float, resources: dict) -> dict:
+    """One actor's reservation; custom `resources` pin it to the nodes that offer them."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
 
 
 def _reserve(bundles: list[dict], what: str):
@@ -49,7 +50,8 @@ def _reserve(bundles: list[dict], what: str):
         raise RuntimeError(
             f"Ray could not place {what} ({len(bundles)} bundles: {bundles}) in 300 s; the "
             f"cluster has {ray.cluster_resources()}. Lower ray.num_workers / "
-            f"ray.num_rollout_workers or the per-worker resources.") from None
+            f"ray.num_rollout_workers or the per-worker resources, or start nodes that offer "
+            f"the custom resources ray.trainer_resources / ray.rollout_resources ask for.") from None
     return pg
 
 
@@ -111,7 +113,8 @@ class Colocated(Placement):
 
         super().__init__(cfg)
         r = cfg.ray
-        self.pg = _reserve([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker)] * r.num_workers,
+        self.pg = _reserve([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker,
+                                    r.trainer_resources)] * r.num_workers,
                            f"{r.num_workers} colocated workers")
         self.trainers = _spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
                                r.num_gpus_per_worker)
@@ -139,9 +142,10 @@ class Disaggregated(Placement):
 
         super().__init__(cfg)
         r = cfg.ray
-        bundles = ([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker)] * r.num_workers
-                   + [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker)]
-                   * r.num_rollout_workers)
+        bundles = ([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, r.trainer_resources)]
+                   * r.num_workers
+                   + [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                              r.rollout_resources)] * r.num_rollout_workers)
         self.pg = _reserve(bundles, f"{r.num_workers} trainer ranks + {r.num_rollout_workers} "
                                     f"rollout engines")
         self.trainers = _spawn(TrainerWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
@@ -149,6 +153,13 @@ class Disaggregated(Placement):
         self.engines = _spawn(RolloutWorker, self.pg, r.num_workers, r.num_rollout_workers,
                               r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker)
         _join_trainers(self.trainers)
+        hosts = ray.get([a.hostname.remote() for a in self.trainers + self.engines])
+        # engines on another host than the sender: buckets cross the network, no shared memory
+        self.cross_host = float(len(set(hosts)) > 1)
+        print("placement: " + ", ".join(
+            [f"trainer rank {i} on {h}" for i, h in enumerate(hosts[:r.num_workers])]
+            + [f"rollout engine {i} on {h}" for i, h in enumerate(hosts[r.num_workers:])]),
+            flush=True)
         addr, port = ray.get(self.trainers[0].free_address.remote())
         size, timeout = 1 + len(self.engines), cfg.sync.timeout_s
         ray.get([self.trainers[0].join_sync_group.remote(addr, port, 0, size, timeout)]
@@ -193,7 +204,7 @@ class Disaggregated(Placement):
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
                 "sync/logprob_max_abs_diff": diff,
                 "sync/direct_load": min(r["sync/direct_load"] for r in received),
-                "sync/in_place": sent["sync/in_place"],
+                "sync/in_place": sent["sync/in_place"], "sync/cross_host": self.cross_host,
                 **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
                 **{k: max(r[k] for r in received) for k in received[0]
                    if k.startswith("sync/receive_")}}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rl.batch import Sample, collate, split_ranks
 from rl.config import Config
+from rl.progress import Progress, wait_with_progress
 
 
 def warmup_dir(model_path: str, cfg: Config) -> Path:
@@ -57,6 +58,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     eos = tokenizer.eos_token_id
     print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
           f"(answer_noise={w.answer_noise})", flush=True)
+    progress = Progress(w.sft_steps, "warm-up", every=50)
     for step in range(1, w.sft_steps + 1):
         rows = order.next_batch(per_rank * world)
         samples = []
@@ -72,11 +74,13 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
         futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
                    for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]
         loss = sum(m["loss/sft"] for m in ray.get(futures))
-        if step % 50 == 0 or step == w.sft_steps:
-            print(f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}", flush=True)
+        progress.update(step, f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}",
+                        {"loss": f"{loss:.4f}"})
+    progress.close()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    ray.get([wk.save_hf.remote(str(tmp)) for wk in workers])
+    wait_with_progress([wk.save_hf.remote(str(tmp)) for wk in workers],
+                       "warm-up: saving the base model")
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

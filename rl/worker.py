@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 
+from rl.timeline import Spans, traced
 from rollout.config import RolloutConfig
 from update.config import LossConfig, TrainerConfig
 
@@ -49,6 +50,17 @@ class Role:
 
         self.device = device_name()
         self.sync_group = None
+        self.spans = Spans()  # for the run's timeline.json
+
+    def drain_spans(self, keep_recording: bool = True) -> list:
+        """The spans recorded since the last call; stop recording when told to."""
+        self.spans.enabled = keep_recording
+        return self.spans.drain()
+
+    def hostname(self) -> str:
+        import socket
+
+        return socket.gethostname()
 
     def free_address(self) -> tuple[str, int]:
         """(this node's IP, a free port), for a process group's rendezvous."""
@@ -129,6 +141,7 @@ class TrainerRole(Role):
 
         init_distributed(self.rank, self.world_size, master_addr, master_port)
 
+    @traced("init trainer")
     def init_trainer(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
                      grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
                      critic: bool = False) -> None:
@@ -143,6 +156,7 @@ class TrainerRole(Role):
 
             self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
 
+    @traced("prepare")
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Old (and reference) logprobs, and critic values, of each micro-batch."""
         out = self.trainer.prepare(micro_batches)
@@ -151,15 +165,18 @@ class TrainerRole(Role):
                 item.update(values)
         return out
 
+    @traced("update")
     def train(self, micro_batches: list[dict], counts) -> dict:
         metrics = self.trainer.train_step(micro_batches, counts)
         if self.critic is not None:
             metrics.update(self.critic.train_step(micro_batches, counts))
         return metrics
 
+    @traced("warm-up")
     def sft(self, micro_batches: list[dict], num_tokens: float) -> dict:
         return self.trainer.sft_step(micro_batches, num_tokens)
 
+    @traced("verification")
     def trainer_logprobs(self, token_ids: list[int]) -> list[float]:
         """The trainer's logprobs of a probe (a collective under ZeRO-3: every rank calls)."""
         return self.trainer.sequence_logprobs(token_ids)
@@ -179,6 +196,7 @@ class TrainerRole(Role):
             best = min(best, time.perf_counter() - t0)
         return best
 
+    @traced("sync")
     def send_weights(self, version: int, bucket_bytes: int, checksum: str,
                      corrupt_bucket: int | None = None) -> dict:
         """Disaggregated sync, sending side: every rank helps assemble each bucket (shared
@@ -202,9 +220,11 @@ class TrainerRole(Role):
                 "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
 
+    @traced("checkpoint")
     def save_checkpoint(self, directory: str, tag: str) -> None:
         self.trainer.save_checkpoint(directory, tag)
 
+    @traced("save")
     def save_hf(self, directory: str) -> None:
         self.trainer.save_hf(directory)
 
@@ -217,6 +237,7 @@ class RolloutRole(Role):
     direct_load = False  # syncs copy into the engine's parameters (else vLLM's reload)
     packed = None  # (layout digest, flat buffer) once the parameters live in one buffer
 
+    @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
                      version: int = 0) -> None:
         from rollout.vllm_engine import VLLMEngine
@@ -289,6 +310,7 @@ class RolloutRole(Role):
                 f"controller expected {expected}: a sync was missed or failed; refusing to "
                 f"sample from a stale model")
 
+    @traced("generate")
     def generate(self, prompts: list[list[int]], seeds: list[int],
                  constraints: list[dict | None] | None = None, n: int | None = None,
                  version: int | None = None) -> dict:
@@ -299,6 +321,7 @@ class RolloutRole(Role):
         return {"groups": [[asdict(c) for c in group] for group in out],
                 "stats": self.engine.take_stats(), "policy_version": self.policy_version}
 
+    @traced("sync")
     def receive_weights(self, version: int) -> dict:
         """Disaggregated sync, receiving side (bucket size and checksum come with the layout)."""
         import time
@@ -315,6 +338,7 @@ class RolloutRole(Role):
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
 
+    @traced("verification")
     def score_tokens(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token after the first (no sampling)."""
         return self.engine.prompt_logprobs(token_ids)
@@ -339,6 +363,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         super().init_rollout(*args, **kwargs)
         self.shared_weights = None  # a new engine: decided again on the next sync
 
+    @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
                      tolerance: float) -> dict:
         """Make this rank's engine the trainer's weights (collective over the trainer ranks),
@@ -356,10 +381,11 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         else:
             stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
-        trainer_lps = self.trainer.sequence_logprobs(probe)
-        t1 = time.perf_counter()
-        engine_lps = self.engine.prompt_logprobs(probe)
-        t2 = time.perf_counter()
+        with self.spans.span("verification"):
+            trainer_lps = self.trainer.sequence_logprobs(probe)
+            t1 = time.perf_counter()
+            engine_lps = self.engine.prompt_logprobs(probe)
+            t2 = time.perf_counter()
         diff = check_logprobs(trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
         self.policy_version = version
         return {"sync/seconds": seconds, "sync/probe_trainer_seconds": t1 - seconds - t0,

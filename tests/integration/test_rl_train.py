@@ -1,4 +1,5 @@
-"""A real `rl-train` run: 2-rank ZeRO-3 + vLLM colocated on Ray, warm-up, KL, checkpoints."""
+"""A real `rl-train` run: 2-rank ZeRO-3 + vLLM colocated on Ray, warm-up, KL, checkpoints, and
+what it leaves: metrics in jsonl, TensorBoard and offline W&B, timeline.json, the plot."""
 import json
 import os
 import subprocess
@@ -20,7 +21,11 @@ def finished_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "rl.cli", "recipes/quickstart.yaml",
            f"run.output_dir={tmp}", "run.name=it", "trainer.total_steps=3",
            "trainer.checkpoint_every=2", "warmup.sft_steps=4", "rollout.prompts_per_step=8",
-           "rollout.n=4", "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01"]
+           "rollout.n=4", "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01",
+           # the two-pass path, so that the timeline has prepare spans too
+           "algorithm.old_logprobs=pass", "run.loggers=[jsonl,tensorboard,wandb]"]
+    env.pop("WANDB_API_KEY", None)
+    env.pop("WANDB_MODE", None)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return tmp / "it", out.stdout
@@ -50,3 +55,80 @@ def test_run_leaves_config_checkpoint_plot_and_loadable_model(finished_run):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
     tok = AutoTokenizer.from_pretrained(run_dir / "final_model")
     assert model.config.vocab_size >= len(tok)
+
+
+def read_wandb_history(run_dir: Path) -> list[dict]:
+    """History rows of the offline W&B run: its .wandb file is a LevelDB-style log of
+    protobuf records (32 KiB blocks of checksum, length, type, payload)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block, records, part = path.read_bytes(), 7, 32768, [], b""
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            records.append(part)
+            part = b""
+    rows = []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def test_tensorboard_and_wandb_hold_every_step(finished_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = finished_run
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    want = [(m["step"], m["reward/mean"]) for m in lines]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tb = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert [s for s, _ in tb] == [s for s, _ in want]
+    assert [v for _, v in tb] == pytest.approx([v for _, v in want], abs=1e-6)
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    assert "config/text_summary" in events.Tags()["tensors"], events.Tags()
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert hparams["algorithm.loss.kl_coef"].number_value == pytest.approx(0.01)
+    assert hparams["run.name"].string_value == "it"
+    wandb_rows = [r for r in read_wandb_history(run_dir) if "reward/mean" in r]
+    assert [(r["_step"], r["reward/mean"]) for r in wandb_rows] == want
+
+
+def test_timeline_has_a_track_per_actor_and_the_step_phases(finished_run):
+    run_dir, _ = finished_run
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in trace
+              if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(tracks.values()) == ["driver (controller)", "worker 0 (trainer rank 0 + engine 0)",
+                                       "worker 1 (trainer rank 1 + engine 1)"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
+    for track in tracks.values():
+        names = {e["name"] for e in spans if tracks[e["pid"]] == track}
+        want = {"generate", "prepare", "update", "sync", "checkpoint"}
+        want |= {"reward"} if track.startswith("driver") else {"verification"}
+        assert want <= names, (track, want - names)
+    # one wall clock: a worker's update of step 2 lies inside the driver's update of step 2
+    driver = next(e for e in spans if e["name"] == "update" and e["args"]["step"] == 2
+                  and tracks[e["pid"]].startswith("driver"))
+    worker = next(e for e in spans if e["name"] == "update" and e["args"]["step"] == 2
+                  and tracks[e["pid"]].startswith("worker 0"))
+    assert driver["ts"] <= worker["ts"] and worker["ts"] + worker["dur"] <= driver["ts"] + driver["dur"]

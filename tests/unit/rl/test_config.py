@@ -82,3 +82,23 @@ def test_one_pass_only_where_old_logprobs_equal_the_policy():
     assert not AlgorithmConfig(ppo_epochs=2).one_pass()
     assert not AlgorithmConfig(num_mini_batches=2).one_pass()
     assert not AlgorithmConfig(old_logprobs="pass").one_pass()
+
+
+def test_loggers_are_checked_before_anything_starts(monkeypatch):
+    import importlib.util
+
+    with pytest.raises(ConfigError, match=r"run.loggers has 'tensorbord'; known: jsonl, tensorboard"):
+        load_config(None, ["run.loggers=[jsonl,tensorbord]"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"'wandb' but the wandb package is not installed; pip "):
+        load_config(None, ["run.loggers=[jsonl,wandb]"])
+
+
+def test_rollout_resources_need_engines_of_their_own():
+    cfg = load_config(None, ["placement=disaggregated", "ray.rollout_resources={rollout_node: 1}",
+                             "ray.trainer_resources={trainer_node: 0.5}"])
+    assert cfg.ray.rollout_resources == {"rollout_node": 1.0}
+    with pytest.raises(ConfigError, match="ray.rollout_resources .* needs placement=disaggregated"):
+        load_config(None, ["placement=colocated", "ray.rollout_resources={rollout_node: 1}"])

@@ -1,0 +1,31 @@
+"""metrics.png and the smoothing of its reward curve."""
+import pytest
+
+from rl.metrics import RunLog, smooth
+
+
+def test_smooth_is_a_debiased_moving_average():
+    assert smooth([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # no pull towards 0
+    values = [0.0] * 10 + [1.0] * 10
+    out = smooth(values)
+    assert out[9] == 0.0 and 0.0 < out[10] < 1.0 and out[-1] > out[10]
+
+
+def test_plot_has_reward_eval_kl_length_and_time_panels(tmp_path):
+    import matplotlib.image
+
+    log = RunLog(tmp_path, total_steps=4)
+    for step in range(1, 5):
+        m = {"step": step, "reward/mean": 0.1 * step, "reward/std": 0.1, "kl/mean": 0.01,
+             "response/length_mean": 7.0, "time/rollout": 0.1, "time/reward": 0.01,
+             "time/update": 0.2, "time/sync": 0.05, "time/step": 0.36,
+             "sync/logprob_max_abs_diff": 1e-7}
+        if step in (1, 4):
+            m["eval/accuracy"] = 0.2 * step
+        log.log_step(m)
+    log.close()
+    path = log.plot()
+    assert log.plot_panels == ["reward", "held-out evaluation", "KL to the reference",
+                               "response length (tokens)", "step time (s)"]
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert width > 1.5 * height  # two rows of three panels
