@@ -76,9 +76,13 @@ class Role:
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int,
                         timeout_s: float) -> None:
         """Join the weight-sync group (trainer rank 0 is its rank 0, engines follow)."""
+        import ray
+
         from weight_sync.collective import CollectiveGroup
 
-        self.sync_group = CollectiveGroup(host, port, rank, world_size, self.device, timeout_s)
+        # gloo binds to the address Ray reaches this node by: host names need not resolve
+        self.sync_group = CollectiveGroup(host, port, rank, world_size, self.device, timeout_s,
+                                          bind_address=ray.util.get_node_ip_address())
 
 
     # ------------------------------------------------------------------ physical limits

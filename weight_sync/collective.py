@@ -14,7 +14,10 @@ import torch
 
 class CollectiveGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: str,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, bind_address: str | None = None):
+        """bind_address (CPU): the local address gloo listens on and connects from, e.g. the
+        node's IP that Ray uses; None lets gloo resolve this host's name (which fails or picks
+        loopback on hosts whose name does not resolve to a reachable address)."""
         from torch.distributed import PrefixStore, TCPStore
 
         timeout = timedelta(seconds=timeout_s)
@@ -30,7 +33,14 @@ class CollectiveGroup:
         else:
             from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-            self._pg = ProcessGroupGloo(store, rank, world_size, timeout)
+            if bind_address is None:
+                self._pg = ProcessGroupGloo(store, rank, world_size, timeout)
+            else:
+                options = ProcessGroupGloo._Options()
+                options._devices = [ProcessGroupGloo.create_device(hostname=bind_address)]
+                options._timeout = timeout
+                options._threads = 2
+                self._pg = ProcessGroupGloo(store, rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Start broadcasting `tensor` from rank src (in place on the others); returns a work
