@@ -14,6 +14,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit without training")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                   help="continue from the latest checkpoint of the newest run of the recipe's "
+                        "run.name, or of PATH (a run directory or one checkpoints/step_N)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept config changes beyond steps, checkpointing and "
+                        "logging (the resumed run is then not the run it continues)")
     return p.parse_args(argv)
 
 
@@ -28,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg))
             return 0
+        point = None
+        if args.resume is not None:
+            from rl.checkpoint import check_resume, find_resume_point
+
+            point = find_resume_point(cfg, args.resume or None)
+            check_resume(cfg, point, args.allow_config_change)
         from rl.rewarding import checked_rows
 
         rows = checked_rows(cfg)
@@ -40,10 +52,19 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    import shlex
+
+    from rl.checkpoint import CheckpointError
     from rl.controller import Controller
 
+    def resume_command(run_dir) -> str:
+        return shlex.join(["rl-train", args.recipe, *args.overrides, "--resume", str(run_dir)])
+
     try:
-        Controller(cfg, rows).run()
+        Controller(cfg, rows, resume=point, resume_command=resume_command).run()
+    except CheckpointError as e:
+        print(f"rl-train: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # a deliberate stop, not a failure: the controller has stopped its actors and closed
         # its logs; what was written stays

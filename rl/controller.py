@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from rl import checkpoint as ckpt
 from rl.advantages import AdvantageInputs, compute_advantages
 from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
 from rl.collect import collect, overlong_penalty
@@ -56,11 +57,16 @@ def reduce_rank_metrics(results: list[dict]) -> dict:
 
 
 class Controller:
-    def __init__(self, cfg: Config, rows: list[dict] | None = None):
+    def __init__(self, cfg: Config, rows: list[dict] | None = None, resume=None,
+                 resume_command=lambda run_dir: f"rl-train RECIPE --resume {run_dir}"):
         """rows: the data set, already through the rewards' start checks (rl-train does both
-        before the heavy imports); None: setup loads and checks it."""
+        before the heavy imports); None: setup loads and checks it. resume: an
+        rl.checkpoint.ResumePoint to continue from (checked against cfg by the caller);
+        resume_command(run_dir): the command that resumes this run, for error messages."""
         self.cfg = cfg
         self.rows = rows
+        self.resume = resume
+        self.resume_command = resume_command
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
@@ -90,13 +96,18 @@ class Controller:
         cfg = self.cfg
         # bad rewards or tests fail before Ray starts
         rows = self.rows if self.rows is not None else checked_rows(cfg)
-        self.run_dir = new_run_dir(cfg)
+        resume = self.resume
+        self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        print(f"run directory: {self.run_dir}", flush=True)
+        print(f"run directory: {self.run_dir}" + (f" (resuming from {resume.checkpoint})"
+                                                  if resume else ""), flush=True)
         if cfg.run.timeline_steps > 0:
-            self.timeline = Timeline(self.run_dir / "timeline.json", cfg.run.timeline_steps)
+            self.timeline = Timeline(self.run_dir / "timeline.json", cfg.run.timeline_steps,
+                                     keep_until=resume.step if resume else None)
         span = self.spans.span
-        model_path = resolve_model_path(cfg.model.path, cfg.run.seed)
+        # a resumed run starts from the base model its checkpoint was trained from (checked)
+        model_path = (resume.state["model_path"] if resume
+                      else resolve_model_path(cfg.model.path, cfg.run.seed))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
         with span("start ray"):
@@ -104,27 +115,38 @@ class Controller:
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         with span("start placement"):
             self.placement = start_placement(cfg)
-        if cfg.warmup.sft_steps > 0:
+        if cfg.warmup.sft_steps > 0 and not resume:
             with span("warm-up"):
                 model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer,
                                         cfg)
         self.model_path = model_path
+        # the base model's content hash goes into checkpoints: a resume refuses a changed one
+        self.model_sha256 = (resume.state["model_sha256"] if resume else
+                             ckpt.model_digest(model_path) if cfg.trainer.checkpoint_every else None)
         self.grad_accum = grad_accum_steps(cfg)
         with span("init trainer"):
             ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,
                                            float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
                      for w in self.trainers])
-        with span("init engines"):
-            self.placement.init_rollout(model_path, self.policy_version)
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
+        start = resume.step + 1 if resume else 1
+        if resume:
+            with span("load checkpoint"):
+                ckpt.restore(self, resume)  # trainers, engines (synced), data, RNG
+        else:
+            with span("init engines"):
+                self.placement.init_rollout(model_path, self.policy_version)
         from rl.loggers import open_loggers
 
-        loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project)
-        self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers)
-        self.record_timeline(0)
+        loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project,
+                               start)
+        self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,
+                          resume=(resume.step, resume.state["metrics"]) if resume else None)
+        self.start_step = start
+        self.record_timeline(start - 1)
 
     # ------------------------------------------------------------------ one step
     @traced("generate")
@@ -275,7 +297,6 @@ class Controller:
             "time/step": t3 - t0, "throughput/tokens_per_s": tokens / (t3 - t0),
             "rollout/tokens_per_s": sum(len(s.response_ids) for s in batch.all_samples)
             / batch.seconds_generate})
-        self.log.log_step(metrics)
         self.log.log_rollouts(step, self.rollout_records(samples))
         return metrics
 
@@ -293,16 +314,16 @@ class Controller:
                 for s in keep]
 
     # ------------------------------------------------------------------ outputs
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int, metrics: dict) -> dict:
+        """Save checkpoint `step` when it is due (its size and save time are metrics)."""
         every = self.cfg.trainer.checkpoint_every
         if every and step % every == 0:
-            self.save_checkpoint(step)
+            return self.save_checkpoint(step, metrics)
+        return {}
 
     @traced("checkpoint")
-    def save_checkpoint(self, step: int) -> None:
-        directory = str((self.run_dir / "checkpoints").resolve())
-        wait_with_progress([w.save_checkpoint.remote(directory, f"step_{step}")
-                            for w in self.trainers], f"checkpoint step_{step}")
+    def save_checkpoint(self, step: int, metrics: dict) -> dict:
+        return ckpt.save(self, step, metrics)
 
     @traced("save")
     def finish(self) -> Path:
@@ -351,9 +372,12 @@ class Controller:
         """Set up, train cfg.trainer.total_steps steps, save; returns the run directory."""
         try:
             self.setup()
-            for step in range(1, self.cfg.trainer.total_steps + 1):
-                self.step(step)
-                self.checkpoint(step)
+            for step in range(self.start_step, self.cfg.trainer.total_steps + 1):
+                metrics = self.step(step)
+                # saved before the step's line is logged: a resume restores a line that a
+                # crash between the two left unwritten, and never writes one twice
+                metrics.update(self.checkpoint(step, metrics))
+                self.log.log_step(metrics)
                 self.record_timeline(step)
             final = self.finish()
             self.record_timeline(self.cfg.trainer.total_steps, final=True)

@@ -105,6 +105,16 @@ class PromptSet:
         other._rng, other._order = random.Random(seed), []
         return other
 
+    def state(self) -> dict:
+        """Where the prompt order stands (for a checkpoint): the shuffler and this epoch's rest."""
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": list(self._order)}
+
+    def load_state(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._order = list(state["order"])
+
     def next_batch(self, size: int) -> list[int]:
         """Row indices of the next `size` prompts (a new shuffled epoch when one runs out)."""
         out = []

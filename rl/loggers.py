@@ -69,6 +69,10 @@ class WandbLogger:
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
+        # steps this run id already has (a run that died after logging past its checkpoint):
+        # a resumed sync run recomputes them bit for bit, so they are not written again
+        self.last_file = run_dir / "wandb_last_step"
+        self.skip_until = int(self.last_file.read_text()) if self.last_file.exists() else 0
         self.run = wandb.init(project=project, name=run_dir.name, id=run_id, dir=str(run_dir),
                               config=config, mode=mode, resume="allow",
                               settings=wandb.Settings(console="off", x_disable_stats=True,
@@ -76,7 +80,10 @@ class WandbLogger:
         self.mode = mode
 
     def log(self, metrics: dict, step: int) -> None:
+        if step <= self.skip_until:
+            return
         self.run.log(numeric(metrics), step=step)
+        self.last_file.write_text(str(step))
 
     def close(self) -> None:
         self.run.finish()

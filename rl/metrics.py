@@ -14,7 +14,12 @@ PHASES = ("time/rollout", "time/reward", "time/update", "time/sync")
 
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, loggers: list | None = None,
-                 stream=None):
+                 stream=None, resume: tuple[int, dict] | None = None):
+        """resume: (the checkpoint's step, its metrics line): the logs keep steps up to it
+        (lines a run wrote after its last checkpoint go), and get its line back if the run died
+        between saving the checkpoint and logging the line."""
+        from rl.checkpoint import keep_lines
+
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -22,6 +27,14 @@ class RunLog:
         self.history: list[dict] = []
         self.loggers = loggers or []
         self.progress = Progress(total_steps, "RL steps", stream=stream)
+        if resume is not None:
+            step, line = resume
+            self.history = keep_lines(self.metrics_path, step)
+            keep_lines(self.rollouts_path, step)
+            if self.progress.bar is not None:
+                self.progress.bar.update(len(self.history))
+            if not self.history or self.history[-1]["step"] < step:
+                self.log_step(line)
 
     def log_step(self, metrics: dict) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)

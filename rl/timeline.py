@@ -56,17 +56,23 @@ class Timeline:
     """Chrome trace events of the first `max_steps` RL steps (and the set-up before them),
     one track per process; rewritten after each step so a run stopped early still has one."""
 
-    def __init__(self, path: Path, max_steps: int):
+    def __init__(self, path: Path, max_steps: int, keep_until: int | None = None):
+        """keep_until: a resumed run keeps the events of steps up to its checkpoint's."""
         self.path, self.max_steps = path, max_steps
         self.tracks: dict[str, int] = {}
         self.events: list[dict] = []
+        if keep_until is not None and path.exists():
+            old = json.loads(path.read_text())["traceEvents"]
+            self.events = [e for e in old if e["ph"] == "M" or e["args"]["step"] <= keep_until]
+            self.tracks = {e["args"]["name"]: e["pid"] for e in old
+                           if e["ph"] == "M" and e["name"] == "process_name"}
 
     def recording(self, step: int) -> bool:
         return self.max_steps > 0 and step <= self.max_steps
 
     def _track(self, name: str) -> int:
         if name not in self.tracks:
-            pid = len(self.tracks)
+            pid = max(self.tracks.values(), default=-1) + 1
             self.tracks[name] = pid
             self.events += [
                 {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},

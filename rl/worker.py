@@ -52,6 +52,26 @@ class Role:
         self.sync_group = None
         self.spans = Spans()  # for the run's timeline.json
 
+    def rng_state(self) -> dict:
+        """This process's random states (python, numpy, torch), for a checkpoint."""
+        import random
+
+        import numpy as np
+        import torch
+
+        return {"python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state()}
+
+    def set_rng_state(self, state: dict) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
     def drain_spans(self, keep_recording: bool = True) -> list:
         """The spans recorded since the last call; stop recording when told to."""
         self.spans.enabled = keep_recording
@@ -225,8 +245,17 @@ class TrainerRole(Role):
                 "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
 
     @traced("checkpoint")
-    def save_checkpoint(self, directory: str, tag: str) -> None:
-        self.trainer.save_checkpoint(directory, tag)
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's shards of the policy (and critic) engines into directory/policy|critic."""
+        self.trainer.save_checkpoint(directory, "policy")
+        if self.critic is not None:
+            self.critic.save_checkpoint(directory, "critic")
+
+    @traced("load checkpoint")
+    def load_checkpoint(self, directory: str) -> None:
+        self.trainer.load_checkpoint(directory, "policy")
+        if self.critic is not None:
+            self.critic.load_checkpoint(directory, "critic")
 
     @traced("save")
     def save_hf(self, directory: str) -> None:

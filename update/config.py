@@ -34,7 +34,9 @@ class TrainerConfig:
     total_steps: int = 20
     "RL steps (one rollout batch and its update each)."
     checkpoint_every: int = 0
-    "Save a DeepSpeed checkpoint every N steps; 0 saves none."
+    "Save a checkpoint (rl-train --resume continues from it) every N steps; 0 saves none."
+    keep_checkpoints: int = 0
+    "Keep only the newest N checkpoints; 0 keeps all."
 
 
 @dataclass

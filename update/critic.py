@@ -8,7 +8,7 @@ import torch
 
 from update.config import LossConfig, TrainerConfig
 from update.losses import BatchCounts, value_loss
-from update.trainer import ds_config
+from update.trainer import ds_config, load_engine, save_engine
 
 
 class ValueModel(torch.nn.Module):
@@ -41,6 +41,12 @@ class ValueTrainer:
                                       betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
+
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        save_engine(self.engine, directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        load_engine(self.engine, directory, tag)
 
     def _values(self, mb: dict) -> torch.Tensor:
         """V at position t estimates the return of the tokens after t: [B, R], like logprobs

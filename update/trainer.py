@@ -81,6 +81,18 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
     return config
 
 
+def save_engine(engine, directory: str, tag: str) -> None:
+    engine.save_checkpoint(directory, tag=tag, save_latest=False)
+
+
+def load_engine(engine, directory: str, tag: str) -> None:
+    """Weights, optimizer and LR state exactly as saved (a resumed step is bit-identical)."""
+    path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                     load_lr_scheduler_states=True, load_module_strict=True)
+    if path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint {directory}/{tag}")
+
+
 def _to(mb: dict, key: str, dev):
     return mb[key].to(dev) if mb.get(key) is not None else None
 
@@ -210,8 +222,12 @@ class PolicyTrainer:
         return token_logprobs(logits, ids, 1.0)[0].tolist()  # raw, like vLLM's prompt logprobs
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
-        """DeepSpeed checkpoint (model, optimizer, LR state); every rank calls."""
-        self.engine.save_checkpoint(directory, tag=tag)
+        """DeepSpeed checkpoint (model, optimizer, LR state) in directory/tag; every rank calls.
+        No `latest` file: the caller publishes a checkpoint once every part of it is written."""
+        save_engine(self.engine, directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        load_engine(self.engine, directory, tag)
 
     def full_state_dict(self) -> dict | None:
         """Unsharded weights on rank 0 (None elsewhere); a collective under ZeRO-3."""

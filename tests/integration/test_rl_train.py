@@ -60,11 +60,17 @@ def test_run_leaves_config_checkpoint_plot_and_loadable_model(finished_run):
 def read_wandb_history(run_dir: Path) -> list[dict]:
     """History rows of the offline W&B run: its .wandb file is a LevelDB-style log of
     protobuf records (32 KiB blocks of checksum, length, type, payload)."""
+    rows = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):  # resumes add files
+        rows += _wandb_file_history(path)
+    return rows
+
+
+def _wandb_file_history(path: Path) -> list[dict]:
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, pos, block, records, part = path.read_bytes(), 7, 32768, [], b""
     assert data[:4] == b":W&B", data[:7]
     while pos + 7 <= len(data):

@@ -1,0 +1,114 @@
+"""Bit-exact resume: a run killed with SIGKILL during step 5 and resumed with --resume logs steps
+5-6 exactly as the run that was never interrupted (fp32, CPU, colocated ZeRO-3 + vLLM), every
+key but timings; and its logs hold each step once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+PER_STEP = 8 * 4  # prompts x samples: reward calls per step
+ARGS = ["recipes/quickstart.yaml", "trainer.total_steps=6", "trainer.checkpoint_every=2",
+        "warmup.sft_steps=4", "rollout.prompts_per_step=8", "rollout.n=4",
+        "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01", "reward.timeout_s=300",
+        "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]"]
+
+
+def timing(key: str) -> bool:
+    """Keys a rerun may change: times, and checkpoint sizes (the saved config and state name
+    the run, and the two runs here have different names)."""
+    return (key.startswith(("time/", "throughput/", "checkpoint/"))
+            or key.endswith(("seconds", "tokens_per_s")))
+
+
+def assert_same_steps(want: list[dict], got: list[dict]) -> None:
+    assert [m["step"] for m in want] == [m["step"] for m in got]
+    for a, b in zip(want, got):
+        keys = {k for k in a if not timing(k)}
+        assert keys == {k for k in b if not timing(k)}, a["step"]
+        differ = {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+        assert not differ, (a["step"], differ)
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rl_train(tmp: Path, name: str, *extra: str, env: dict | None = None, wait: bool = True,
+             args: list[str] = ARGS):
+    cmd = [sys.executable, "-m", "rl.cli", *args, f"run.output_dir={tmp}", f"run.name={name}",
+           *extra]
+    env = dict(os.environ, RL_CACHE_DIR=str(tmp / "cache"), **(env or {}))
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+@pytest.mark.integration
+def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
+    rl_train(tmp_path, "whole")
+    whole = lines(tmp_path / "whole")
+    assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
+
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    proc = rl_train(tmp_path, "killed", env={"RL_TEST_HOLD_FILE": str(hold),
+                                             "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)}, wait=False)
+    counter, latest = Path(f"{hold}.count"), tmp_path / "killed" / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    # held: step 5's first reward call waits, after checkpoint step_4 was published
+    while not (counter.exists() and len(counter.read_text()) > 4 * PER_STEP and latest.exists()
+               and latest.read_text() == "step_4"):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "the run never reached step 5"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    hold.unlink()  # the killed run's reward workers, orphaned, may finish and exit
+    assert [m["step"] for m in lines(tmp_path / "killed")] == [1, 2, 3, 4]
+
+    out = rl_train(tmp_path, "killed", "--resume")
+    assert "resuming from" in out.stdout and "step_4" in out.stdout
+    resumed = lines(tmp_path / "killed")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert_same_steps(whole, resumed)
+    run = tmp_path / "killed"
+    assert (run / "final_model" / "config.json").exists()
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    steps = [json.loads(x)["step"] for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and set(steps) == {1, 2, 3, 4, 5, 6}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("recipe, extra", [
+    ("recipes/ppo.yaml", ["rollout.prompts_per_step=8", "trainer.micro_batch_size=8"]),
+    ("recipes/dapo.yaml", ["rollout.prompts_per_step=8", "trainer.micro_batch_size=16"])])
+def test_resuming_from_a_checkpoint_recomputes_the_same_steps(tmp_path, recipe, extra):
+    """The critic (PPO) and dynamic sampling's data position (DAPO) resume exactly too."""
+    args = [recipe, "trainer.total_steps=4", "trainer.checkpoint_every=2", "warmup.sft_steps=4",
+            "run.loggers=[jsonl,tensorboard,wandb]", *extra]
+    rl_train(tmp_path, "r", args=args)
+    first = lines(tmp_path / "r")
+    assert [m["step"] for m in first] == [1, 2, 3, 4]
+    rl_train(tmp_path, "r", "--resume", str(tmp_path / "r" / "checkpoints" / "step_2"), args=args)
+    again = lines(tmp_path / "r")
+    assert_same_steps(first, again)
+    # steps 3-4 were logged before the resume recomputed them: every logger has each step once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.integration.test_rl_train import read_wandb_history
+
+    want = [(m["step"], m["reward/mean"]) for m in again]
+    events = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("reward/mean")] == want
+    rows = [r for r in read_wandb_history(tmp_path / "r") if "reward/mean" in r]
+    assert [(r["_step"], r["reward/mean"]) for r in rows] == want
