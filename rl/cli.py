@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
             point = find_resume_point(cfg, args.resume or None)
             check_resume(cfg, point, args.allow_config_change)
-        from rl.rewarding import checked_rows
+        from rl.preflight import preflight
 
-        rows = checked_rows(cfg)
-    except (ConfigError, FileNotFoundError) as e:
+        rows = preflight(cfg)
+    except ConfigError as e:
         print(f"rl-train: {e}", file=sys.stderr)
         return 2
     import signal
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         Controller(cfg, rows, resume=point, resume_command=resume_command).run()
+    except ConfigError as e:  # found by the controller before Ray starts (prompts, tokenizer)
+        print(f"rl-train: {e}", file=sys.stderr)
+        return 2
     except CheckpointError as e:
         print(f"rl-train: {e}", file=sys.stderr)
         return 1

@@ -228,6 +228,9 @@ def _explain(e, schema, path: str | None) -> str:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Schema defaults <- YAML recipe <- key=value overrides, validated; returns a Config."""
+    from pathlib import Path
+
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -235,7 +238,16 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     layers = []
     try:
         if path is not None:
-            layers.append(OmegaConf.load(path))
+            if not Path(path).is_file():
+                raise ConfigError(f"recipe '{path}' does not exist; give a YAML file (examples "
+                                  f"in recipes/)")
+            try:
+                layers.append(OmegaConf.load(path))
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                line = f" at line {mark.line + 1}" if mark is not None else ""
+                raise ConfigError(f"recipe '{path}' is not valid YAML{line} "
+                                  f"({getattr(e, 'problem', None) or e}); fix the file") from None
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. rollout.n=8)")

@@ -11,7 +11,7 @@ from rl import checkpoint as ckpt
 from rl.advantages import AdvantageInputs, compute_advantages
 from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
 from rl.collect import collect, overlong_penalty
-from rl.config import Config, grad_accum_steps, to_yaml
+from rl.config import Config, ConfigError, grad_accum_steps, to_yaml
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
 from rl.progress import wait_with_progress
@@ -30,6 +30,16 @@ def new_run_dir(cfg: Config) -> Path:
         path = base.with_name(f"{base.name}-{i}")
     path.mkdir(parents=True)
     return path
+
+
+def prompt_error(e: Exception, cfg: Config) -> str:
+    """One line for a data set the tokenizer cannot render (or that does not fit)."""
+    text = str(e.args[0]) if e.args else str(e)
+    if "chat_template" in text or "chat template" in text:
+        return (f"model.path={cfg.model.path!r}: its tokenizer has no chat template, and prompts "
+                f"are rendered as chat messages; use an instruct/chat model or add a "
+                f"chat_template to its tokenizer_config.json")
+    return f"data.train_path={cfg.data.train_path!r}: {text}"
 
 
 def padded(samples: list[Sample], name: str) -> torch.Tensor:
@@ -97,6 +107,14 @@ class Controller:
         # bad rewards or tests fail before Ray starts
         rows = self.rows if self.rows is not None else checked_rows(cfg)
         resume = self.resume
+        # a resumed run starts from the base model its checkpoint was trained from (checked)
+        model_path = (resume.state["model_path"] if resume
+                      else resolve_model_path(cfg.model.path, cfg.run.seed))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        try:  # prompts that cannot be rendered or do not fit: refused before Ray starts
+            self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(prompt_error(e, cfg)) from None
         self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}" + (f" (resuming from {resume.checkpoint})"
@@ -105,11 +123,6 @@ class Controller:
             self.timeline = Timeline(self.run_dir / "timeline.json", cfg.run.timeline_steps,
                                      keep_until=resume.step if resume else None)
         span = self.spans.span
-        # a resumed run starts from the base model its checkpoint was trained from (checked)
-        model_path = (resume.state["model_path"] if resume
-                      else resolve_model_path(cfg.model.path, cfg.run.seed))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
         with span("start ray"):
             start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name

@@ -78,30 +78,63 @@ def corpus() -> list[str]:
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
-    """Write rows with `datasets` (format from the suffix: .jsonl/.json or .parquet)."""
-    import datasets
-
+    """Write rows as JSON lines (.jsonl/.json) or parquet (through `datasets`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ds = datasets.Dataset.from_list(rows)
     if path.suffix == ".parquet":
-        ds.to_parquet(str(path))
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
     elif path.suffix in (".jsonl", ".json"):
-        ds.to_json(str(path), lines=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     else:
         raise ValueError(f"data file '{path}': use a .jsonl, .json or .parquet suffix")
     return path
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Read a jsonl/json/parquet file with `datasets` into a list of dict rows."""
-    import datasets
-
+    """Rows of a jsonl file (or .json: JSON lines or one array of objects), or of a parquet
+    file (through `datasets`). A bad line, a row that is not an object, or no rows at all is a
+    ValueError that names the file and the line."""
     path = Path(path)
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise ValueError(f"data file '{path}': use a .jsonl, .json or .parquet suffix")
     if not path.exists():
         raise FileNotFoundError(f"data file '{path}' does not exist; check data.train_path")
-    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix)
-    if kind is None:
-        raise ValueError(f"data file '{path}': use a .jsonl, .json or .parquet suffix")
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    return ds.to_list()
+    if path.suffix == ".parquet":
+        import datasets
+
+        rows = datasets.load_dataset("parquet", data_files=str(path), split="train").to_list()
+    else:
+        rows = _json_rows(path)
+    if not rows:
+        raise ValueError(f"data file '{path}' has no rows; give one JSON object per line")
+    return rows
+
+
+def _json_rows(path: Path) -> list[dict]:
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data file '{path}' is not valid JSON at line {e.lineno} "
+                             f"({e.msg}); fix it") from None
+        numbered = list(enumerate(items, 1))
+        where = "item"
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data file '{path}' line {number} is not valid JSON ({e.msg} "
+                                 f"at column {e.colno}); fix or remove the line") from None
+        where = "line"
+    for number, row in numbered:
+        if not isinstance(row, dict):
+            raise ValueError(f"data file '{path}' {where} {number} is a {type(row).__name__}, not "
+                             f"an object; each row is one JSON object with the prompt's field")
+    return [row for _, row in numbered]

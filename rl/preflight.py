@@ -1,0 +1,88 @@
+"""Checks that run before anything heavy starts: every input that can be checked up front fails
+here with one line that names the key, file or row and says the fix (rl-train exits 2).
+
+Checked: registry names (advantage, policy loss, aggregation, KL estimator), the model path, a
+`ray.address` that nothing answers at, and the data set (readable, not empty, each row an object
+with the prompt field, the rewards' own start checks). What needs the tokenizer (prompt length,
+a chat template) is checked by the controller before Ray starts.
+"""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from rl.config import Config, ConfigError
+
+
+def check_names(cfg: Config) -> None:
+    from rl.advantages import ADVANTAGE_ESTIMATORS
+    from update.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+
+    loss = cfg.algorithm.loss
+    for key, name, registry in (("algorithm.advantage", cfg.algorithm.advantage,
+                                 ADVANTAGE_ESTIMATORS),
+                                ("algorithm.loss.policy_loss", loss.policy_loss, POLICY_LOSSES),
+                                ("algorithm.loss.loss_agg", loss.loss_agg, LOSS_AGGREGATIONS),
+                                ("algorithm.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)):
+        if name not in registry:
+            raise ConfigError(f"{key}={name!r} is not registered; known: "
+                              f"{', '.join(sorted(registry))}")
+
+
+def check_model_path(cfg: Config) -> None:
+    from rl.models import GGUF_MODELS, PRESETS, builtin_names
+
+    path = cfg.model.path
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        if name not in PRESETS and name not in GGUF_MODELS:
+            raise ConfigError(f"model.path={path!r} is not a built-in model; known: "
+                              + ", ".join(builtin_names()))
+        return
+    if not Path(path).exists():
+        raise ConfigError(f"model.path={path!r} does not exist; give a local Hugging Face model "
+                          f"directory or builtin:<name>")
+    if not (Path(path) / "config.json").exists():
+        raise ConfigError(f"model.path={path!r} is not a Hugging Face model directory (no "
+                          f"config.json); give the directory save_pretrained wrote")
+
+
+def check_ray_address(cfg: Config, timeout_s: float = 3.0) -> None:
+    """A host:port address must answer (Ray's GCS port); 'auto' is left to Ray."""
+    address = cfg.ray.address
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address={address!r}: give host:port (the head's GCS port, 6379 "
+                          f"by default) or auto")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConfigError(f"ray.address={address!r}: nothing answers there ({e.strerror or e}); "
+                          f"start the cluster (ray start --head) or fix the address") from None
+
+
+def check_rows(cfg: Config, rows: list[dict]) -> None:
+    key = cfg.data.prompt_key
+    for i, row in enumerate(rows):
+        if key not in row or row[key] is None:
+            raise ConfigError(f"data.train_path={cfg.data.train_path!r}: row {i} has no field "
+                              f"{key!r} (data.prompt_key); its fields: {', '.join(row)}; set "
+                              f"data.prompt_key or fix the row")
+
+
+def preflight(cfg: Config) -> list[dict]:
+    """Every up-front check; returns the data set's rows (through the rewards' start checks)."""
+    from rl.rewarding import checked_rows
+
+    try:  # the data first: these checks import nothing heavy
+        rows = checked_rows(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    check_rows(cfg, rows)
+    check_model_path(cfg)
+    check_ray_address(cfg)
+    check_names(cfg)  # imports torch (the registries live beside the math)
+    return rows
