@@ -23,6 +23,7 @@ from rl.config import Config, ConfigError, load_config
 
 # keys a resumed run may change: how long it runs and what it writes, not what a step computes
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+                     "trainer.max_restarts",
                      "run.loggers", "run.wandb_project", "run.timeline_steps", "run.log_samples",
                      "run.name", "run.output_dir")
 

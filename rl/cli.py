@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rl.checkpoint import CheckpointError
     from rl.controller import Controller
+    from rl.errors import ActorFailure
 
     def resume_command(run_dir) -> str:
         return shlex.join(["rl-train", args.recipe, *args.overrides, "--resume", str(run_dir)])
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found by the controller before Ray starts (prompts, tokenizer)
         print(f"rl-train: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:
+    except (CheckpointError, ActorFailure) as e:
         print(f"rl-train: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from rl.advantages import AdvantageInputs, compute_advantages
 from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
 from rl.collect import collect, overlong_penalty
 from rl.config import Config, ConfigError, grad_accum_steps, to_yaml
+from rl.errors import ActorFailure, death_cause, prompt_error
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
 from rl.progress import wait_with_progress
@@ -30,16 +31,6 @@ def new_run_dir(cfg: Config) -> Path:
         path = base.with_name(f"{base.name}-{i}")
     path.mkdir(parents=True)
     return path
-
-
-def prompt_error(e: Exception, cfg: Config) -> str:
-    """One line for a data set the tokenizer cannot render (or that does not fit)."""
-    text = str(e.args[0]) if e.args else str(e)
-    if "chat_template" in text or "chat template" in text:
-        return (f"model.path={cfg.model.path!r}: its tokenizer has no chat template, and prompts "
-                f"are rendered as chat messages; use an instruct/chat model or add a "
-                f"chat_template to its tokenizer_config.json")
-    return f"data.train_path={cfg.data.train_path!r}: {text}"
 
 
 def padded(samples: list[Sample], name: str) -> torch.Tensor:
@@ -77,6 +68,7 @@ class Controller:
         self.rows = rows
         self.resume = resume
         self.resume_command = resume_command
+        self.restarts = 0
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
@@ -96,12 +88,10 @@ class Controller:
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
-        import ray
         from transformers import AutoTokenizer
 
         from rl.data import PromptSet
         from rl.models import resolve_model_path
-        from rl.warmup import run_warmup
 
         cfg = self.cfg
         # bad rewards or tests fail before Ray starts
@@ -126,6 +116,21 @@ class Controller:
         with span("start ray"):
             start_ray(cfg)
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
+        self.grad_accum = grad_accum_steps(cfg)
+        first = self.prompts.rows[0]
+        answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
+        self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
+        self.start_workers(model_path, resume)
+
+    def start_workers(self, model_path: str, resume) -> None:
+        """The placement, the warm-up (a new run), the trainers, the engines at the policy
+        version (a new run's base model, or the checkpoint's policy), the logs."""
+        import ray
+
+        from rl.loggers import open_loggers
+        from rl.warmup import run_warmup
+
+        cfg, span = self.cfg, self.spans.span
         with span("start placement"):
             self.placement = start_placement(cfg)
         if cfg.warmup.sft_steps > 0 and not resume:
@@ -136,15 +141,11 @@ class Controller:
         # the base model's content hash goes into checkpoints: a resume refuses a changed one
         self.model_sha256 = (resume.state["model_sha256"] if resume else
                              ckpt.model_digest(model_path) if cfg.trainer.checkpoint_every else None)
-        self.grad_accum = grad_accum_steps(cfg)
         with span("init trainer"):
             ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,
                                            float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
                      for w in self.trainers])
-        first = self.prompts.rows[0]
-        answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
-        self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
         start = resume.step + 1 if resume else 1
         if resume:
             with span("load checkpoint"):
@@ -152,14 +153,46 @@ class Controller:
         else:
             with span("init engines"):
                 self.placement.init_rollout(model_path, self.policy_version)
-        from rl.loggers import open_loggers
-
         loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project,
                                start)
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,
                           resume=(resume.step, resume.state["metrics"]) if resume else None)
         self.start_step = start
         self.record_timeline(start - 1)
+
+    def recover(self, error, step: int) -> int:
+        """An actor died during `step`: one line naming it and the cause; with restarts left,
+        restart the placement from the latest checkpoint and return the step to go on from;
+        else raise ActorFailure with the command that resumes the run."""
+        from rl.checkpoint import latest_checkpoint
+
+        line = f"{self.dead_actor(error)} died during step {step}: {death_cause(error)}"
+        print(f"rl-train: {line}", flush=True)
+        last = latest_checkpoint(self.run_dir)
+        if self.restarts >= self.cfg.trainer.max_restarts or last is None:
+            why = ("no checkpoint to restart from" if last is None and
+                   self.cfg.trainer.max_restarts else "trainer.max_restarts is spent")
+            raise ActorFailure(f"{line}; {why}; resume with: "
+                               f"{self.resume_command(self.run_dir)}")
+        self.restarts += 1
+        print(f"restarting the placement from {last.name} (restart {self.restarts} of "
+              f"{self.cfg.trainer.max_restarts})", flush=True)
+        self.log.close()
+        self.placement.stop()
+        point = ckpt.find_resume_point(self.cfg, str(last))
+        if self.timeline is not None:
+            self.timeline = Timeline(self.timeline.path, self.cfg.run.timeline_steps,
+                                     keep_until=point.step)
+        self.start_workers(self.model_path, point)
+        return point.step + 1
+
+    def dead_actor(self, error) -> str:
+        """'trainer rank 1' (or the engine, or colocated worker) whose process died."""
+        dead = getattr(error, "actor_id", None)
+        for name, actor in (self.actor_tracks() if self.placement is not None else []):
+            if dead is not None and actor._actor_id.hex() == dead:
+                return name
+        return "an actor"
 
     # ------------------------------------------------------------------ one step
     @traced("generate")
@@ -384,14 +417,21 @@ class Controller:
     def run(self) -> Path:
         """Set up, train cfg.trainer.total_steps steps, save; returns the run directory."""
         try:
+            import ray
+
             self.setup()
-            for step in range(self.start_step, self.cfg.trainer.total_steps + 1):
-                metrics = self.step(step)
-                # saved before the step's line is logged: a resume restores a line that a
-                # crash between the two left unwritten, and never writes one twice
-                metrics.update(self.checkpoint(step, metrics))
-                self.log.log_step(metrics)
-                self.record_timeline(step)
+            step = self.start_step
+            while step <= self.cfg.trainer.total_steps:
+                try:
+                    metrics = self.step(step)
+                    # saved before the step's line is logged: a resume restores a line that a
+                    # crash between the two left unwritten, and never writes one twice
+                    metrics.update(self.checkpoint(step, metrics))
+                    self.log.log_step(metrics)
+                    self.record_timeline(step)
+                    step += 1
+                except ray.exceptions.RayActorError as e:
+                    step = self.recover(e, step)
             final = self.finish()
             self.record_timeline(self.cfg.trainer.total_steps, final=True)
             print(f"done: metrics {self.log.metrics_path}, model {final}", flush=True)

@@ -37,6 +37,9 @@ class TrainerConfig:
     "Save a checkpoint (rl-train --resume continues from it) every N steps; 0 saves none."
     keep_checkpoints: int = 0
     "Keep only the newest N checkpoints; 0 keeps all."
+    max_restarts: int = 0
+    ("When an actor dies (killed, out of memory): restart the placement from the latest "
+     "checkpoint up to N times; 0 stops the run with the command that resumes it.")
 
 
 @dataclass

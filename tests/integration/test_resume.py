@@ -82,6 +82,36 @@ def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
     assert_same_steps(whole, resumed)
     run = tmp_path / "killed"
     assert (run / "final_model" / "config.json").exists()
+    check_logs(run)
+
+    # the restart path: one trainer actor killed in step 5, trainer.max_restarts=1
+    hold.write_text("")
+    counter.unlink()
+    proc = rl_train(tmp_path, "actor", "trainer.max_restarts=1",
+                    env={"RL_TEST_HOLD_FILE": str(hold),
+                         "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)}, wait=False)
+    latest = tmp_path / "actor" / "checkpoints" / "latest"
+    while not (counter.exists() and len(counter.read_text()) > 4 * PER_STEP and latest.exists()
+               and latest.read_text() == "step_4"):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline + 600, "the run never reached step 5"
+        time.sleep(0.1)
+    workers = [int(line.split()[0]) for line in subprocess.run(
+        ["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        if "ray::ColocatedWorker" in line]
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    hold.unlink()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "died during step 5" in out and "restarting the placement from step_4" in out, out[-3000:]
+    restarted = lines(tmp_path / "actor")
+    assert_same_steps(whole, restarted)
+    check_logs(tmp_path / "actor")
+
+
+def check_logs(run: Path) -> None:
+    assert (run / "final_model" / "config.json").exists()
     assert not list((run / "checkpoints").glob("*.tmp"))
     steps = [json.loads(x)["step"] for x in (run / "rollouts.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and set(steps) == {1, 2, 3, 4, 5, 6}

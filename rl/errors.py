@@ -1,0 +1,30 @@
+"""Failures a person reads: why an actor died, why prompts cannot be used."""
+from __future__ import annotations
+
+from rl.config import Config
+
+
+class ActorFailure(RuntimeError):
+    """An actor of the run died and no restart is left."""
+
+
+def death_cause(error) -> str:
+    """Why an actor died, in a few words, from Ray's error."""
+    text = str(error)
+    if "out of memory" in text.lower() or "OutOfMemory" in text:
+        return "out of memory (the node's memory monitor killed it)"
+    for marker in ("SIGKILL", "SIGSEGV", "SIGTERM", "exit code", "exited", "killed"):
+        if marker in text:
+            line = next(x for x in text.splitlines() if marker in x).strip()
+            return line[:200]
+    return text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+
+
+def prompt_error(e: Exception, cfg: Config) -> str:
+    """One line for a data set the tokenizer cannot render (or that does not fit)."""
+    text = str(e.args[0]) if e.args else str(e)
+    if "chat_template" in text or "chat template" in text:
+        return (f"model.path={cfg.model.path!r}: its tokenizer has no chat template, and prompts "
+                f"are rendered as chat messages; use an instruct/chat model or add a "
+                f"chat_template to its tokenizer_config.json")
+    return f"data.train_path={cfg.data.train_path!r}: {text}"
