@@ -47,7 +47,8 @@ class RunLog:
             logger.log(clean, clean["step"])
         self.progress.update(clean["step"], self.console_line(clean),
                              {"reward": f"{clean['reward/mean']:.3f}",
-                              "s/step": f"{clean['time/step']:.2f}"})
+                              "s/step": f"{clean['time/step']:.2f}",
+                              "eta": f"{self.eta_seconds(clean) / 60:.1f} min"})
 
     def close(self) -> None:
         self.progress.close()
@@ -55,11 +56,14 @@ class RunLog:
             logger.close()
         self.loggers = []
 
-    def console_line(self, m: dict) -> str:
-        step = m["step"]
+    def eta_seconds(self, m: dict) -> float:
         # the first step pays engine warm-up: estimate from the later ones when there are some
         recent = [h["time/step"] for h in self.history[1:][-20:]] or [m["time/step"]]
-        eta = sum(recent) / len(recent) * (self.total_steps - step)
+        return sum(recent) / len(recent) * (self.total_steps - m["step"])
+
+    def console_line(self, m: dict) -> str:
+        step = m["step"]
+        eta = self.eta_seconds(m)
         parts = [f"step {step}/{self.total_steps}",
                  f"reward {m['reward/mean']:.3f}±{m['reward/std']:.2f}",
                  f"loss {m.get('loss/policy', math.nan):+.4f}"]

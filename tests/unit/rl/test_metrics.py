@@ -29,3 +29,22 @@ def test_plot_has_reward_eval_kl_length_and_time_panels(tmp_path):
                                "response length (tokens)", "step time (s)"]
     height, width, _ = matplotlib.image.imread(path).shape
     assert width > 1.5 * height  # two rows of three panels
+
+
+def test_a_terminal_gets_a_bar_with_reward_and_eta(tmp_path):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    log = RunLog(tmp_path, total_steps=10, stream=out)
+    for step in (1, 2, 3):
+        log.log_step({"step": step, "reward/mean": 0.25, "reward/std": 0.1,
+                      "response/length_mean": 7.0, "time/rollout": 0.5, "time/reward": 0.1,
+                      "time/update": 1.0, "time/sync": 0.4, "time/step": 2.0,
+                      "sync/logprob_max_abs_diff": 1e-7})
+    log.close()
+    text = out.getvalue()
+    assert "reward=0.250" in text and "eta=0.2 min" in text and "step 3/10" in text
