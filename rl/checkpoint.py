@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,22 +55,53 @@ def begin(run_dir: Path, step: int) -> Path:
     return tmp
 
 
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+def published(root: Path) -> list[Path]:
+    """The complete checkpoints step_N under `root`, oldest first."""
+    found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def point_latest(root: Path, name: str) -> None:
+    marker = root / "latest.tmp"
+    marker.write_text(name)
+    marker.replace(root / "latest")
+
+
 def commit(run_dir: Path, tmp: Path, step: int, keep: int) -> Path:
     """Publish a complete temporary checkpoint: rename it, then point `latest` at it; then keep
-    only the newest `keep` checkpoints (0 keeps all)."""
+    only the newest `keep` checkpoints (0 keeps all), never the one `latest` names."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step}"
-    shutil.rmtree(final, ignore_errors=True)
+    old = None
+    if final.exists():  # saved again (after a restart): `latest` may name it until the switch
+        old = final.with_name(f"{final.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
     tmp.rename(final)
-    marker = root / "latest.tmp"
-    marker.write_text(final.name)
-    marker.replace(root / "latest")
+    point_latest(root, final.name)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
-        done = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                      key=lambda p: int(p.name.split("_")[1]))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for stale in published(root)[:-keep]:
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def supersede_newer(point: "ResumePoint") -> None:
+    """Resuming from an older checkpoint abandons the newer ones: they move aside
+    (step_N.superseded) and `latest` names the checkpoint the run continues from, so a later
+    restart or --resume never jumps to the abandoned line of steps."""
+    root = point.checkpoint.parent
+    for newer in published(root):
+        if int(STEP_DIR.match(newer.name).group(1)) > point.step:
+            target = newer.with_name(f"{newer.name}.superseded")
+            shutil.rmtree(target, ignore_errors=True)
+            newer.rename(target)
+    point_latest(root, point.checkpoint.name)
 
 
 def directory_bytes(path: Path) -> int:
@@ -165,8 +197,15 @@ def keep_lines(path: Path, last_step: int) -> list[dict]:
     its checkpoint); returns the lines kept."""
     if not path.exists():
         return []
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):  # torn by the crash: dropped
+            return float("inf")
+
     kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+            if line.strip() and step_of(line) <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
@@ -224,13 +263,15 @@ def save(controller, step: int, metrics: dict) -> dict:
                  "model_sha256": controller.model_sha256, "metrics": metrics}
         (tmp / "controller.json").write_text(json.dumps(state))
         final = commit(run_dir, tmp, step, controller.cfg.trainer.keep_checkpoints)
-    except (OSError, ray.exceptions.RayError) as e:
+    except ray.exceptions.RayActorError:
+        raise  # an actor died: the controller's recovery handles it
+    except (OSError, RuntimeError, ray.exceptions.RayError) as e:
         last = latest_checkpoint(run_dir)
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"checkpoint step_{step} failed ({cause}); the last complete one is "
-            f"{last.name if last else 'none'}; resume with: "
-            f"{controller.resume_command(run_dir)}") from None
+        then = (f"the last complete one is {last.name}; resume with: "
+                f"{controller.resume_command(run_dir)}" if last else
+                "there is no complete checkpoint yet; start a new run")
+        raise CheckpointError(f"checkpoint step_{step} failed ({cause}); {then}") from None
     return {"checkpoint/seconds": time.perf_counter() - t0,
             "checkpoint/bytes": float(directory_bytes(final))}
 
@@ -241,6 +282,7 @@ def restore(controller, point: ResumePoint) -> None:
     import ray
     import torch
 
+    supersede_newer(point)
     directory = str(point.checkpoint)
     ray.get([w.load_checkpoint.remote(directory) for w in controller.trainers])
     version = int(point.state["policy_version"])

@@ -46,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rl-train: {e}", file=sys.stderr)
         return 2
-    import signal
-
-    def stop(signum, frame):  # `ray job stop` and `kill` send SIGTERM: stop like Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     import shlex
+
+    import ray
+
+    from rl.errors import death_cause, stop_on_sigterm
+
+    stop_on_sigterm()
 
     from rl.checkpoint import CheckpointError
     from rl.controller import Controller
@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (CheckpointError, ActorFailure) as e:
         print(f"rl-train: {e}", file=sys.stderr)
+        return 1
+    except ray.exceptions.RayActorError as e:  # outside a step (set-up, a restart, the save)
+        print(f"rl-train: an actor died outside a step ({death_cause(e)}); resume with: "
+              f"{resume_command(point.run_dir if point else '<run directory>')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         # a deliberate stop, not a failure: the controller has stopped its actors and closed

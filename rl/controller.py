@@ -12,7 +12,7 @@ from rl.advantages import AdvantageInputs, compute_advantages
 from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
 from rl.collect import collect, overlong_penalty
 from rl.config import Config, ConfigError, grad_accum_steps, to_yaml
-from rl.errors import ActorFailure, death_cause, prompt_error
+from rl.errors import ActorFailure, death_cause, prompt_error, stop_on_sigterm
 from rl.metrics import RunLog
 from rl.placement import start_placement, start_ray
 from rl.progress import wait_with_progress
@@ -69,6 +69,7 @@ class Controller:
         self.resume = resume
         self.resume_command = resume_command
         self.restarts = 0
+        self.quiet_placement = None  # the placement whose actors stopped recording spans
         self.placement = None
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
@@ -115,6 +116,7 @@ class Controller:
         span = self.spans.span
         with span("start ray"):
             start_ray(cfg)
+        stop_on_sigterm()  # ray.init put its own handler in place
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
         self.grad_accum = grad_accum_steps(cfg)
         first = self.prompts.rows[0]
@@ -179,6 +181,7 @@ class Controller:
               f"{self.cfg.trainer.max_restarts})", flush=True)
         self.log.close()
         self.placement.stop()
+        self.spans.enabled = True  # the timeline decides again for the new placement
         point = ckpt.find_resume_point(self.cfg, str(last))
         if self.timeline is not None:
             self.timeline = Timeline(self.timeline.path, self.cfg.run.timeline_steps,
@@ -394,6 +397,11 @@ class Controller:
         import ray
 
         if self.timeline is None or not (self.timeline.recording(step) or final):
+            if self.placement is not None and self.quiet_placement is not self.placement:
+                # once per placement: no process keeps recording spans nobody reads
+                ray.get([a.drain_spans.remote(False) for _, a in self.actor_tracks()])
+                self.spans.enabled = False
+                self.quiet_placement = self.placement
             return
         keep = not final and self.timeline.recording(step + 1)
         tracks = self.actor_tracks() if self.placement is not None else []

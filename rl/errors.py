@@ -28,3 +28,14 @@ def prompt_error(e: Exception, cfg: Config) -> str:
                 f"are rendered as chat messages; use an instruct/chat model or add a "
                 f"chat_template to its tokenizer_config.json")
     return f"data.train_path={cfg.data.train_path!r}: {text}"
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (`ray job stop`, `kill`) stops the run like Ctrl-C: actors stopped, logs closed.
+    Installed again after ray.init, which replaces the handler with its own sys.exit."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)

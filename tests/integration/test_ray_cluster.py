@@ -83,8 +83,9 @@ class TwoNodes:
         # --kill-child: killing unshare kills the node's PID 1, and with it the whole namespace
         cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--pid", "--fork",
                "--mount-proc", "--kill-child", "--propagation", "private", "bash", "-c", script]
-        log = open(self.tmp / f"{role}.log", "w")
-        self.nodes[role] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.tmp / f"{role}.log", "w") as log:
+            self.nodes[role] = subprocess.Popen(cmd, env=self.env, stdout=log,
+                                                stderr=subprocess.STDOUT)
 
     def in_head(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """A command run in the head node's network namespace (the Ray CLI reaching it)."""
@@ -136,6 +137,7 @@ class TwoNodes:
                 proc.wait(timeout=30)
         _ip("netns", "del", self.worker_ns, check=False)  # takes the veth pair with it
         _ip("netns", "del", self.head_ns, check=False)
+        _ip("link", "del", self.links[0], check=False)  # if set-up failed before moving it
         for path in self.ray_dirs.values():
             shutil.rmtree(path, ignore_errors=True)
 
@@ -237,6 +239,8 @@ def test_job_stop_ends_the_run_and_leaves_nothing(cluster, tmp_path):
     out = cluster.job("stop", "rl-stopped", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert cluster.wait_job("rl-stopped", timeout=60) == "STOPPED"
+    # a deliberate stop: rl-train took SIGTERM like Ctrl-C, not as a crash
+    assert "rl-train: stopped by a signal" in cluster.logs("rl-stopped")
     deadline = time.time() + 60
     while run_processes() and time.time() < deadline:
         time.sleep(1)

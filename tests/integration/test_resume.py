@@ -3,6 +3,7 @@
 key but timings; and its logs hold each step once."""
 import json
 import os
+from contextlib import contextmanager
 import signal
 import subprocess
 import sys
@@ -44,12 +45,43 @@ def rl_train(tmp: Path, name: str, *extra: str, env: dict | None = None, wait: b
     cmd = [sys.executable, "-m", "rl.cli", *args, f"run.output_dir={tmp}", f"run.name={name}",
            *extra]
     env = dict(os.environ, RL_CACHE_DIR=str(tmp / "cache"), **(env or {}))
-    if not wait:
+    if not wait:  # a session of its own: a failing test kills the whole run (see `stopped`)
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every live process below `pid`."""
+    procs = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit():
+            procs[int(entry)] = (int(stat.rsplit(")", 1)[1].split()[1]), args)
+    below, grown = {pid}, True
+    while grown:
+        more = {p for p, (ppid, _) in procs.items() if ppid in below} - below
+        below |= more
+        grown = bool(more)
+    return {p: procs[p][1] for p in below - {pid}}
+
+
+@contextmanager
+def stopped(proc, hold: Path):
+    """However the test ends: the run's whole session killed, the hold released."""
+    try:
+        yield proc
+    finally:
+        hold.unlink(missing_ok=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.integration
@@ -60,19 +92,13 @@ def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
 
     hold = tmp_path / "hold"
     hold.write_text("")
-    proc = rl_train(tmp_path, "killed", env={"RL_TEST_HOLD_FILE": str(hold),
-                                             "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)}, wait=False)
     counter, latest = Path(f"{hold}.count"), tmp_path / "killed" / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    # held: step 5's first reward call waits, after checkpoint step_4 was published
-    while not (counter.exists() and len(counter.read_text()) > 4 * PER_STEP and latest.exists()
-               and latest.read_text() == "step_4"):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline, "the run never reached step 5"
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    hold.unlink()  # the killed run's reward workers, orphaned, may finish and exit
+    with stopped(rl_train(tmp_path, "killed", env={"RL_TEST_HOLD_FILE": str(hold),
+                                                   "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)},
+                          wait=False), hold) as proc:
+        wait_for_step_5(proc, counter, latest)
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only, as a crash would
+        proc.wait()
     assert [m["step"] for m in lines(tmp_path / "killed")] == [1, 2, 3, 4]
 
     out = rl_train(tmp_path, "killed", "--resume")
@@ -87,22 +113,18 @@ def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
     # the restart path: one trainer actor killed in step 5, trainer.max_restarts=1
     hold.write_text("")
     counter.unlink()
-    proc = rl_train(tmp_path, "actor", "trainer.max_restarts=1",
-                    env={"RL_TEST_HOLD_FILE": str(hold),
-                         "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)}, wait=False)
     latest = tmp_path / "actor" / "checkpoints" / "latest"
-    while not (counter.exists() and len(counter.read_text()) > 4 * PER_STEP and latest.exists()
-               and latest.read_text() == "step_4"):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline + 600, "the run never reached step 5"
-        time.sleep(0.1)
-    workers = [int(line.split()[0]) for line in subprocess.run(
-        ["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-        if "ray::ColocatedWorker" in line]
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    hold.unlink()
-    out, _ = proc.communicate(timeout=600)
+    with stopped(rl_train(tmp_path, "actor", "trainer.max_restarts=1",
+                          env={"RL_TEST_HOLD_FILE": str(hold),
+                               "RL_TEST_HOLD_AFTER": str(4 * PER_STEP)}, wait=False),
+                 hold) as proc:
+        wait_for_step_5(proc, counter, latest)
+        workers = [pid for pid, args in descendants(proc.pid).items()
+                   if "ray::ColocatedWorker" in args]
+        assert len(workers) == 2, descendants(proc.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        hold.unlink()
+        out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     assert "died during step 5" in out and "restarting the placement from step_4" in out, out[-3000:]
     restarted = lines(tmp_path / "actor")
@@ -110,11 +132,22 @@ def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
     check_logs(tmp_path / "actor")
 
 
+def wait_for_step_5(proc, counter: Path, latest: Path) -> None:
+    """Until step 5's first reward call is held, after checkpoint step_4 was published."""
+    deadline = time.time() + 600
+    while not (counter.exists() and len(counter.read_text()) > 4 * PER_STEP and latest.exists()
+               and latest.read_text() == "step_4"):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "the run never reached step 5"
+        time.sleep(0.1)
+
+
 def check_logs(run: Path) -> None:
     assert (run / "final_model" / "config.json").exists()
     assert not list((run / "checkpoints").glob("*.tmp"))
     steps = [json.loads(x)["step"] for x in (run / "rollouts.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps) and set(steps) == {1, 2, 3, 4, 5, 6}
+    # run.log_samples = 2 completions per step, each step once
+    assert steps == [s for s in range(1, 7) for _ in range(2)], steps
 
 
 @pytest.mark.integration

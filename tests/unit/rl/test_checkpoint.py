@@ -84,3 +84,34 @@ def test_logs_keep_the_steps_up_to_the_checkpoint(tmp_path):
     kept = ckpt.keep_lines(log, 3)
     assert [m["step"] for m in kept] == [1, 2, 3]
     assert log.read_text().count("\n") == 3
+
+
+def test_resuming_from_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
+    cfg, model = load_config(None), fake_model(tmp_path / "model")
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        ckpt.commit(run, write_checkpoint(run, step, cfg, model), step, keep=0)
+    point = ckpt.find_resume_point(cfg, str(run / "checkpoints" / "step_2"))
+    ckpt.supersede_newer(point)
+    assert ckpt.latest_checkpoint(run).name == "step_2"  # a restart continues from here
+    assert [p.name for p in ckpt.published(run / "checkpoints")] == ["step_2"]
+    assert (run / "checkpoints" / "step_6.superseded").is_dir()
+    # saving step 4 again, with keep=1: the new step_4 is latest and survives the pruning
+    ckpt.commit(run, write_checkpoint(run, 4, cfg, model), 4, keep=1)
+    assert ckpt.latest_checkpoint(run).name == "step_4"
+    assert [p.name for p in ckpt.published(run / "checkpoints")] == ["step_4"]
+
+
+def test_a_step_saved_again_replaces_the_old_one_without_a_gap(tmp_path):
+    cfg, model = load_config(None), fake_model(tmp_path / "model")
+    run = tmp_path / "run"
+    ckpt.commit(run, write_checkpoint(run, 2, cfg, model), 2, keep=0)
+    ckpt.commit(run, write_checkpoint(run, 2, cfg, model), 2, keep=0)
+    assert ckpt.latest_checkpoint(run).name == "step_2"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_2"]
+
+
+def test_a_line_torn_by_the_crash_is_dropped(tmp_path):
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + '\n{"step": 3, "pro')
+    assert [m["step"] for m in ckpt.keep_lines(log, 2)] == [1, 2]
