@@ -41,19 +41,24 @@ class TensorBoardLogger:
                                     purge_step=start_step if start_step > 1 else None)
         flat = flat_config(config)
         # written into this run's own event file (add_hparams would open a sub-run); the
-        # session's end is written when the run closes
+        # session's end is written when the run closes. A resumed run has them already, and
+        # a step-0 event after the purge would make readers drop the steps before it too
         experiment, start, self.end = hparams(flat, {"reward/mean": 0.0})
-        for summary in (experiment, start):
-            self.writer.file_writer.add_summary(summary)
-        self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in flat.items()))
+        self.last_step = max(0, start_step - 1)
+        if start_step <= 1:
+            for summary in (experiment, start):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in flat.items()))
 
     def log(self, metrics: dict, step: int) -> None:
         for key, value in numeric(metrics).items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        self.last_step = step
 
     def close(self) -> None:
-        self.writer.file_writer.add_summary(self.end)
+        # at the last step: an event at an earlier step makes readers purge the later ones
+        self.writer.file_writer.add_summary(self.end, global_step=self.last_step)
         self.writer.close()
 
 
@@ -69,10 +74,13 @@ class WandbLogger:
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
-        # steps this run id already has (a run that died after logging past its checkpoint):
-        # a resumed sync run recomputes them bit for bit, so they are not written again
+        # steps this run id surely has: written when a logger closes (W&B has flushed then). A
+        # restarted placement recomputes them bit for bit, so they are not written again. A
+        # killed process writes nothing here, and its service may not have flushed its last
+        # records: the resumed run writes from its checkpoint on
         self.last_file = run_dir / "wandb_last_step"
         self.skip_until = int(self.last_file.read_text()) if self.last_file.exists() else 0
+        self.last_step = self.skip_until
         self.run = wandb.init(project=project, name=run_dir.name, id=run_id, dir=str(run_dir),
                               config=config, mode=mode, resume="allow",
                               settings=wandb.Settings(console="off", x_disable_stats=True,
@@ -83,10 +91,11 @@ class WandbLogger:
         if step <= self.skip_until:
             return
         self.run.log(numeric(metrics), step=step)
-        self.last_file.write_text(str(step))
+        self.last_step = step
 
     def close(self) -> None:
         self.run.finish()
+        self.last_file.write_text(str(self.last_step))
 
 
 def open_loggers(names: list[str], run_dir: Path, config: dict, project: str,
