@@ -216,7 +216,8 @@ class CheckpointError(RuntimeError):
     """A save failed; the previous checkpoint and `latest` are intact."""
 
 
-def driver_rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's random states (python, numpy, torch)."""
     import random
 
     import numpy as np
@@ -226,7 +227,7 @@ def driver_rng_state() -> dict:
             "torch": torch.get_rng_state()}
 
 
-def set_driver_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     import random
 
     import numpy as np
@@ -255,7 +256,7 @@ def save(controller, step: int, metrics: dict) -> dict:
         wait_with_progress([w.save_checkpoint.remote(str(tmp)) for w in controller.trainers],
                            f"checkpoint step_{step}")
         actors = [a for _, a in controller.actor_tracks()]
-        torch.save({"driver": driver_rng_state(),
+        torch.save({"driver": rng_state(),
                     "actors": ray.get([a.rng_state.remote() for a in actors])}, tmp / "rng.pt")
         (tmp / "config.yaml").write_text(to_yaml(controller.cfg))
         state = {"step": step, "policy_version": controller.policy_version,
@@ -297,4 +298,4 @@ def restore(controller, point: ResumePoint) -> None:
         raise CheckpointError(f"{point.checkpoint} has random states of {len(rng['actors'])} "
                               f"actors, this placement has {len(actors)}")
     ray.get([a.set_rng_state.remote(s) for a, s in zip(actors, rng["actors"])])
-    set_driver_rng_state(rng["driver"])
+    set_rng_state(rng["driver"])

@@ -53,24 +53,15 @@ class Role:
         self.spans = Spans()  # for the run's timeline.json
 
     def rng_state(self) -> dict:
-        """This process's random states (python, numpy, torch), for a checkpoint."""
-        import random
+        """This process's random states, for a checkpoint (rl.checkpoint saves them)."""
+        from rl.checkpoint import rng_state
 
-        import numpy as np
-        import torch
-
-        return {"python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()}
+        return rng_state()
 
     def set_rng_state(self, state: dict) -> None:
-        import random
+        from rl.checkpoint import set_rng_state
 
-        import numpy as np
-        import torch
-
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        set_rng_state(state)
 
     def drain_spans(self, keep_recording: bool = True) -> list:
         """The spans recorded since the last call; stop recording when told to."""

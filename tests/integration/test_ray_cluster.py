@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import processes, with_descendants
+
 ROOT = Path(__file__).parents[2]
 HEAD_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"
 GCS_PORT, DASHBOARD_PORT = 6380, 8266
@@ -145,25 +147,11 @@ class TwoNodes:
 def run_processes() -> dict[int, str]:
     """{pid: command} of the run's live processes: the job's entrypoint (rl-train), its actors,
     and every descendant of either (reward workers, sandboxes); zombies do not count."""
-    procs = {}
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit():
-            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-            procs[int(entry)] = (int(ppid), state, args.strip() or stat.split()[1])
+    procs = processes()
     # not the Ray CLI calls of this test, which name rl-train in their arguments
     run = {pid for pid, (_, _, args) in procs.items()
            if any(name in args for name in ACTOR_NAMES) and "bin/ray job " not in args}
-    grown = True
-    while grown:
-        children = {pid for pid, (ppid, _, _) in procs.items() if ppid in run} - run
-        run |= children
-        grown = bool(children)
-    return {pid: procs[pid][2] for pid in run if procs[pid][1] != "Z"}
+    return {pid: procs[pid][2] for pid in with_descendants(run, procs) if procs[pid][1] != "Z"}
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +233,8 @@ def test_job_stop_ends_the_run_and_leaves_nothing(cluster, tmp_path):
     while run_processes() and time.time() < deadline:
         time.sleep(1)
     assert not run_processes(), run_processes()
-    left = [pid for pid in before if Path(f"/proc/{pid}").exists()
-            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    now = processes()
+    left = [pid for pid in before if pid in now and now[pid][1] != "Z"]
     assert not left, {pid: before[pid] for pid in left}
     steps = metrics.read_text().count("\n")
     time.sleep(5)  # no restart: nothing writes to the run any more

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import processes, with_descendants
+
 ROOT = Path(__file__).parents[2]
 ARGS = ["recipes/quickstart.yaml", "trainer.total_steps=6", "trainer.checkpoint_every=2",
         "warmup.sft_steps=4", "rollout.prompts_per_step=8", "rollout.n=4",
@@ -54,21 +56,8 @@ def rl_train(tmp: Path, name: str, *extra: str, env: dict | None = None, wait: b
 
 def descendants(pid: int) -> dict[int, str]:
     """{pid: command line} of every live process below `pid`."""
-    procs = {}
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit():
-            procs[int(entry)] = (int(stat.rsplit(")", 1)[1].split()[1]), args)
-    below, grown = {pid}, True
-    while grown:
-        more = {p for p, (ppid, _) in procs.items() if ppid in below} - below
-        below |= more
-        grown = bool(more)
-    return {p: procs[p][1] for p in below - {pid}}
+    procs = processes()
+    return {p: procs[p][2] for p in with_descendants({pid}, procs) - {pid}}
 
 
 @contextmanager
