@@ -1,6 +1,8 @@
-"""Bit-exact resume: a run killed with SIGKILL during step 5 and resumed with --resume logs steps
-5-6 exactly as the run that was never interrupted (fp32, CPU, colocated ZeRO-3 + vLLM), every
-key but timings; and its logs hold each step once."""
+"""Bit-exact resume: a run whose driver is SIGKILLed and resumed with --resume, or whose trainer
+actor is SIGKILLed and restarted from its latest checkpoint, logs every step exactly as the run
+that was never interrupted (fp32, CPU, colocated ZeRO-3 + vLLM), every key but timings; and its
+logs hold each step once. Each test is one uninterrupted run, one run hurt (once or twice), and
+one resume: rl-train's start-up is most of their time."""
 import json
 import os
 from contextlib import contextmanager
@@ -15,9 +17,9 @@ import pytest
 from tests.procs import processes, with_descendants
 
 ROOT = Path(__file__).parents[2]
-ARGS = ["recipes/quickstart.yaml", "trainer.total_steps=6", "trainer.checkpoint_every=2",
+ARGS = ["recipes/dapo.yaml", "trainer.total_steps=6", "trainer.checkpoint_every=2",
         "warmup.sft_steps=4", "rollout.prompts_per_step=8", "rollout.n=4",
-        "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01", "reward.timeout_s=300",
+        "trainer.micro_batch_size=16", "reward.timeout_s=300",
         "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]"]
 
 
@@ -61,27 +63,36 @@ def descendants(pid: int) -> dict[int, str]:
 
 
 @contextmanager
-def held(tmp: Path, name: str, at: str, lines_logged: int, *extra: str, args: list[str] = ARGS):
-    """A run started with the hold reward, yielded once a reward call of the step after
-    `lines_logged` logged steps (and checkpoint `at`) is held; killed with its session and
-    released however the test ends."""
-    hold = tmp / f"hold-{name}"
-    hold.write_text("")
+def held(tmp: Path, name: str, holds: list[tuple[str, int]], *extra: str, args: list[str] = ARGS):
+    """A run started with the hold reward and one hold file per (checkpoint, lines logged) in
+    `holds` (see hold_reward.py); yields (process, hold files). The run is killed with its
+    session and every hold released however the test ends."""
+    files = [tmp / f"hold-{name}.{i}" for i in range(len(holds))]
+    for f, (at, lines_logged) in zip(files, holds):
+        f.with_name(f.name + "-new").write_text(f"{at} {lines_logged}")
+        f.with_name(f.name + "-new").rename(f)  # never read half-written
     proc = rl_train(tmp, name, *extra, wait=False, args=args,
-                    env={"RL_TEST_HOLD_FILE": str(hold), "RL_TEST_HOLD_RUN": str(tmp / name),
-                         "RL_TEST_HOLD_AT": at, "RL_TEST_HOLD_LINES": str(lines_logged)})
+                    env={"RL_TEST_HOLD_FILE": str(tmp / f"hold-{name}"),
+                         "RL_TEST_HOLD_RUN": str(tmp / name)})
     try:
-        deadline = time.time() + 600
-        while not Path(f"{hold}.held").exists():
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            assert time.time() < deadline, "the run never reached the held step"
-            time.sleep(0.1)
-        yield proc, hold
+        yield proc, files
     finally:
-        hold.unlink(missing_ok=True)
-        if proc.poll() is None:
+        for f in files:
+            f.unlink(missing_ok=True)
+        try:  # what a killed driver leaves (reward pool, Ray) holds the output pipe open
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def wait_held(proc, hold: Path) -> None:
+    """Until the run is held on `hold`: in the first step after its lines were logged."""
+    deadline = time.time() + 600
+    while not Path(f"{hold}.held").exists():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, f"the run never reached the step {hold.name} holds"
+        time.sleep(0.1)
 
 
 def kill_driver(proc) -> None:
@@ -90,31 +101,34 @@ def kill_driver(proc) -> None:
 
 
 @pytest.mark.integration
-def test_kill_during_step_5_then_resume_is_bit_exact(tmp_path):
+def test_dead_actor_in_step_3_and_killed_driver_in_step_5_resume_bit_exact(tmp_path):
+    """DAPO (dynamic sampling: several rollout rounds per step, a data position that moves by
+    more than a batch), 6 steps, a checkpoint every 2. One run is hurt twice: a trainer actor
+    is SIGKILLed in step 3 (trainer.max_restarts=1 restarts the placement from step_2), then
+    the driver is SIGKILLed in step 5 and `--resume` finishes from step_4. Steps 1-6 equal the
+    uninterrupted run's bit for bit, and every log holds each step once."""
     rl_train(tmp_path, "whole")
     whole = lines(tmp_path / "whole")
     assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
+    assert max(m["dynamic/rounds"] for m in whole) > 1, whole  # it did sample again
 
-    with held(tmp_path, "killed", "step_4", 4) as (proc, _):
-        kill_driver(proc)
-    assert [m["step"] for m in lines(tmp_path / "killed")] == [1, 2, 3, 4]
-    out = rl_train(tmp_path, "killed", "--resume")
-    assert "resuming from" in out.stdout and "step_4" in out.stdout
-    assert_same_steps(whole, lines(tmp_path / "killed"))  # each step once, bit for bit
-    check_logs(tmp_path / "killed", 6)
-
-    # the restart path: one trainer actor killed in step 5, trainer.max_restarts=1
-    with held(tmp_path, "actor", "step_4", 4, "trainer.max_restarts=1") as (proc, hold):
+    with held(tmp_path, "r", [("step_2", 2), ("step_4", 4)], "trainer.max_restarts=1") as (
+            proc, (actor_hold, driver_hold)):
+        wait_held(proc, actor_hold)
         workers = [pid for pid, args in descendants(proc.pid).items()
                    if "ray::ColocatedWorker" in args]
         assert len(workers) == 2, descendants(proc.pid)
         os.kill(workers[1], signal.SIGKILL)
-        hold.unlink()
-        out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    assert "died during step 5" in out and "restarting the placement from step_4" in out, out[-3000:]
-    assert_same_steps(whole, lines(tmp_path / "actor"))
-    check_logs(tmp_path / "actor", 6)
+        actor_hold.unlink()
+        wait_held(proc, driver_hold)
+        kill_driver(proc)
+    out = proc.stdout.read()  # complete once the run's session is gone
+    assert "died during step 3" in out and "restarting the placement from step_2" in out, out[-3000:]
+    assert [m["step"] for m in lines(tmp_path / "r")] == [1, 2, 3, 4]
+    out = rl_train(tmp_path, "r", "--resume")
+    assert "resuming from" in out.stdout and "step_4" in out.stdout
+    assert_same_steps(whole, lines(tmp_path / "r"))  # each step once, bit for bit
+    check_logs(tmp_path / "r", 6)
 
 
 def check_logs(run: Path, steps: int) -> None:
@@ -126,20 +140,19 @@ def check_logs(run: Path, steps: int) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("recipe, extra", [
-    ("recipes/ppo.yaml", ["rollout.prompts_per_step=8", "trainer.micro_batch_size=8"]),
-    ("recipes/dapo.yaml", ["rollout.prompts_per_step=8", "trainer.micro_batch_size=16"])])
-def test_kill_during_step_4_then_resume_from_step_2(tmp_path, recipe, extra):
-    """The critic (PPO) and dynamic sampling's data position (DAPO) resume exactly too. Killed
-    in step 4, the run had logged step 3 past its checkpoint: the resume drops that line and
-    writes it again; metrics.jsonl and TensorBoard hold each step once."""
-    args = [recipe, "trainer.total_steps=4", "trainer.checkpoint_every=2", "warmup.sft_steps=4",
-            "run.loggers=[jsonl,tensorboard,wandb]", "reward.timeout_s=300",
-            "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]", *extra]
+def test_ppo_killed_in_step_4_resumes_from_step_2(tmp_path):
+    """The critic (PPO: its weights, optimizer and the reference model) resumes exactly too.
+    Killed in step 4, the run had logged step 3 past its checkpoint: the resume drops that line
+    and writes it again; metrics.jsonl, TensorBoard and W&B hold each step once."""
+    args = ["recipes/ppo.yaml", "trainer.total_steps=4", "trainer.checkpoint_every=2",
+            "warmup.sft_steps=4", "run.loggers=[jsonl,tensorboard,wandb]", "reward.timeout_s=300",
+            "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]",
+            "rollout.prompts_per_step=8", "trainer.micro_batch_size=8"]
     rl_train(tmp_path, "whole", args=args)
     whole = lines(tmp_path / "whole")
     assert [m["step"] for m in whole] == [1, 2, 3, 4]
-    with held(tmp_path, "r", "step_2", 3, args=args) as (proc, _):
+    with held(tmp_path, "r", [("step_2", 3)], args=args) as (proc, (hold,)):
+        wait_held(proc, hold)
         kill_driver(proc)
     assert [m["step"] for m in lines(tmp_path / "r")] == [1, 2, 3]
     rl_train(tmp_path, "r", "--resume", args=args)
