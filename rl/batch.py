@@ -35,7 +35,8 @@ class Sample:
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
-    policy_version: int = 0  # the policy version of the engine that generated the sample
+    policy_version: int = 0  # the version of the engine that generated its first token
+    token_versions: list[int] = field(default_factory=list)  # per token (async modes only)
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict:

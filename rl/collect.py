@@ -20,6 +20,17 @@ def is_flat(group: list[Sample]) -> bool:
     return max(s.score for s in group) - min(s.score for s in group) < 1e-9
 
 
+def reward_summary(samples: list[Sample], overlong_buffer: int) -> dict:
+    """reward/mean and reward/std (and the shaped mean under overlong shaping) of `samples`."""
+    rewards = [s.reward for s in samples]
+    mean = sum(rewards) / len(rewards)
+    out = {"reward/mean": mean,
+           "reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5}
+    if overlong_buffer:
+        out["reward/shaped_mean"] = sum(s.score for s in samples) / len(rewards)
+    return out
+
+
 @dataclass
 class Collected:
     samples: list[Sample]  # exactly prompts_per_step groups of n, contiguous
@@ -62,12 +73,7 @@ def collect(controller, step: int) -> Collected:
     out.metrics = {k: sum(m[k] for m in reward_metrics) / (1 if k in counts else
                                                              len(reward_metrics))
                    for k in reward_metrics[0]}
-    rewards = [s.reward for s in out.all_samples]
-    mean = sum(rewards) / len(rewards)
-    out.metrics.update({"reward/mean": mean, "reward/std": (
-        sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5})
-    if algo.overlong_buffer:
-        out.metrics["reward/shaped_mean"] = sum(s.score for s in out.all_samples) / len(rewards)
+    out.metrics.update(reward_summary(out.all_samples, algo.overlong_buffer))
     if algo.dynamic_sampling:
         out.metrics.update({"dynamic/rounds": float(round_index + 1),
                             "dynamic/flat_groups_filled": float(filled)})

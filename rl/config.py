@@ -173,9 +173,29 @@ class RayConfig:
      "that should run them.")
     rollout_resources: Dict[str, float] = field(default_factory=dict)
     "Disaggregated: Ray custom resources each rollout engine asks for, e.g. {rollout_node: 1}."
+    split_cores: Optional[bool] = None
+    ("Disaggregated on CPU: pin the trainer ranks and the engines to cores of their own (in "
+     "proportion to their CPU reservations) instead of every role using all cores; None: only "
+     "in the async pipeline modes, where both roles work at once.")
+
+
+@dataclass
+class PipelineConfig:
+    mode: str = "sync"
+    ("sync: generate, then update, in lock-step; one_step: the next step's batch is generated "
+     "while this step updates (max_staleness 1); fully_async: groups stream from the engines, "
+     "the trainer takes the oldest finished ones within max_staleness. The async modes need "
+     "placement=disaggregated.")
+    max_staleness: int = 1
+    ("fully_async: an update that starts from policy version u trains only on samples whose "
+     "first token came from version v >= u - max_staleness (one_step is 1 whatever this says).")
+    interruptible: bool = True
+    ("Async modes: a weight sync interrupts sequences in flight, which go on under the new weights "
+     "(their KV recomputed); False: the sync waits until the engine's sequences finish.")
 
 
 PLACEMENTS = ("colocated", "disaggregated")
+PIPELINE_MODES = ("sync", "one_step", "fully_async")
 
 
 @dataclass
@@ -190,6 +210,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     placement: str = "colocated"
     "colocated: each worker holds a trainer rank and an engine; disaggregated: separate pools."
 
@@ -300,8 +321,28 @@ def validate(cfg: Config) -> None:
     if cfg.ray.rollout_resources and cfg.placement != "disaggregated":
         raise ConfigError("ray.rollout_resources places rollout engines of their own: it needs "
                           "placement=disaggregated (colocated workers take ray.trainer_resources)")
+    check_pipeline(cfg)
     if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
         raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
+
+
+def check_pipeline(cfg: Config) -> None:
+    pipe = cfg.pipeline
+    if pipe.mode not in PIPELINE_MODES:
+        raise ConfigError(f"pipeline.mode={pipe.mode!r} is not known; use one of: "
+                          f"{', '.join(PIPELINE_MODES)}")
+    if pipe.mode == "sync":
+        return
+    if cfg.placement != "disaggregated":
+        raise ConfigError(f"pipeline.mode={pipe.mode} overlaps generation with the update, but "
+                          f"placement={cfg.placement} runs both roles on the same cores, taking "
+                          f"turns; set placement=disaggregated (or pipeline.mode=sync)")
+    if pipe.max_staleness < 0:
+        raise ConfigError(f"pipeline.max_staleness={pipe.max_staleness}: use 0 or more")
+    if cfg.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling resamples within a step, which the async "
+                          "pipeline modes do not have; use pipeline.mode=sync for DAPO's "
+                          "dynamic sampling")
 
 
 LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name: package

@@ -71,6 +71,7 @@ class Controller:
         self.restarts = 0
         self.quiet_placement = None  # the placement whose actors stopped recording spans
         self.placement = None
+        self.producer = None  # rl.pipeline.RolloutProducer in the async pipeline modes
         self.scorer = None
         self.policy_version = 0  # bumped by every sync; engines and samples carry it
         self.spans = Spans()  # the driver's track of timeline.json
@@ -155,6 +156,12 @@ class Controller:
         else:
             with span("init engines"):
                 self.placement.init_rollout(model_path, self.policy_version)
+        self.producer = None
+        if cfg.pipeline.mode != "sync":  # the engines stream from here on
+            from rl.pipeline import RolloutProducer
+
+            self.placement.start_streams(cfg.pipeline.interruptible)
+            self.producer = RolloutProducer(self)
         loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project,
                                start)
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,
@@ -321,7 +328,12 @@ class Controller:
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
-        batch = collect(self, step)
+        if self.producer is None:
+            batch = collect(self, step)
+        else:  # async: from the producer's buffer; the next batches generate during the update
+            batch = self.producer.take(step)
+            self.producer.fill(self.policy_version + 1)
+            self.rollout_stats = {"time/trainer_wait": batch.seconds_generate}
         samples, metrics = batch.samples, dict(batch.metrics)
         t1 = time.perf_counter()
         if self.cfg.algorithm.one_pass():  # old logprobs and mismatch metrics come from update
@@ -334,18 +346,22 @@ class Controller:
         metrics.update(self.sync())
         t3 = time.perf_counter()
         metrics.update(self.sample_metrics(samples))
-        versions = [s.policy_version for s in batch.all_samples]
+        # staleness of each trained sample: the update's starting version - its first token's
+        versions = [s.policy_version for s in samples]
+        lags = [self.policy_version - 1 - v for v in versions]
         metrics["rollout/policy_version"] = float(min(versions))
-        metrics["rollout/staleness"] = float(self.policy_version - 1 - min(versions))
+        metrics["rollout/staleness"] = sum(lags) / len(lags)
+        metrics["rollout/staleness_max"] = float(max(lags))
         metrics.update(self.rollout_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.all_samples)
         metrics.update({
             "step": step, "time/rollout": batch.seconds_generate,
             "time/reward": batch.seconds_reward, "time/update": t2 - t1, "time/sync": t3 - t2,
-            "time/step": t3 - t0, "throughput/tokens_per_s": tokens / (t3 - t0),
-            "rollout/tokens_per_s": sum(len(s.response_ids) for s in batch.all_samples)
-            / batch.seconds_generate})
+            "time/step": t3 - t0, "throughput/tokens_per_s": tokens / (t3 - t0)})
+        if self.producer is None:  # async, the rollout ran beside earlier steps: no rate here
+            metrics["rollout/tokens_per_s"] = (sum(len(s.response_ids) for s in batch.all_samples)
+                                               / batch.seconds_generate)
         self.log.log_rollouts(step, self.rollout_records(samples))
         return metrics
 
@@ -367,6 +383,10 @@ class Controller:
         """Save checkpoint `step` when it is due (its size and save time are metrics)."""
         every = self.cfg.trainer.checkpoint_every
         if every and step % every == 0:
+            if self.producer is not None:
+                print(f"checkpoint step_{step}: {self.producer.unconsumed} groups handed out or "
+                      f"buffered and not trained are not in it; a resume drops them and "
+                      f"generates from the prompts after them", flush=True)
             return self.save_checkpoint(step, metrics)
         return {}
 

@@ -55,15 +55,28 @@ def _reserve(bundles: list[dict], what: str):
     return pg
 
 
-def _spawn(cls, pg, first_bundle: int, count: int, cpus: float, gpus: float) -> list:
+def _spawn(cls, pg, first_bundle: int, count: int, cpus: float, gpus: float,
+           concurrency: int = 1, cores: tuple[int, int] | None = None) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor = ray.remote(cls)
-    return [actor.options(num_cpus=cpus, num_gpus=gpus,
+    return [actor.options(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               pg, placement_group_bundle_index=first_bundle + r)
-                          ).remote(r, count) for r in range(count)]
+                          ).remote(r, count, cores) for r in range(count)]
+
+
+def split_cores(trainer_cpus: float, rollout_cpus: float,
+                num_cpus: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first, count) cores for the trainers and for the engines, in proportion to what Ray
+    reserves for each role, at least one each (a single core is shared)."""
+    total = num_cpus or os.cpu_count() or 1
+    if total < 2:
+        return (0, 1), (0, 1)
+    share = trainer_cpus / (trainer_cpus + rollout_cpus)
+    trainer = min(total - 1, max(1, round(total * share)))
+    return (0, trainer), (trainer, total - trainer)
 
 
 def _join_trainers(trainers: list) -> None:
@@ -148,10 +161,21 @@ class Disaggregated(Placement):
                               r.rollout_resources)] * r.num_rollout_workers)
         self.pg = _reserve(bundles, f"{r.num_workers} trainer ranks + {r.num_rollout_workers} "
                                     f"rollout engines")
+        trainer_cores = engine_cores = None
+        split = r.split_cores if r.split_cores is not None else cfg.pipeline.mode != "sync"
+        if split:  # both roles work at once: cores of their own
+            trainer_cores, engine_cores = split_cores(
+                r.num_workers * r.num_cpus_per_worker,
+                r.num_rollout_workers * r.num_cpus_per_rollout_worker)
         self.trainers = _spawn(TrainerWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
-                               r.num_gpus_per_worker)
+                               r.num_gpus_per_worker, cores=trainer_cores)
+        # streaming (async pipeline modes), an engine takes submit/collect calls and a sync
+        # while its generation loop runs
         self.engines = _spawn(RolloutWorker, self.pg, r.num_workers, r.num_rollout_workers,
-                              r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker)
+                              r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                              concurrency=1 if cfg.pipeline.mode == "sync" else 4,
+                              cores=engine_cores)
+        self.streaming = False
         _join_trainers(self.trainers)
         hosts = ray.get([a.hostname.remote() for a in self.trainers + self.engines])
         # engines on another host than the sender: buckets cross the network, no shared memory
@@ -176,9 +200,19 @@ class Disaggregated(Placement):
         same = layouts[0] if all(x is not None and x == layouts[0] for x in layouts) else None
         ray.get([t.set_engine_layout.remote(same) for t in self.trainers])
 
+    def start_streams(self, interruptible: bool) -> None:
+        """Async pipeline modes: every engine generates in a loop of its own from now on; each
+        sync pauses them, and only a verified one lets them go on."""
+        import ray
+
+        ray.get([e.start_stream.remote(interruptible) for e in self.engines])
+        self.streaming = True
+
     def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
         """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
-        `corrupt_bucket` is a fault injection for tests."""
+        Streaming, the engines pause to receive and resume only once their probe agrees (a
+        failed check leaves them paused until a sync repairs them). `corrupt_bucket` is a fault
+        injection for tests."""
         import time
 
         import ray
@@ -199,6 +233,8 @@ class Disaggregated(Placement):
         engines = ray.get([e.score_tokens.remote(probe) for e in self.engines])
         diff = max(check_logprobs(trainer, lps, sync.tolerance, f"rollout engine {i}")
                    for i, lps in enumerate(engines))
+        if self.streaming:  # checked: generation goes on under the new version
+            ray.get([e.resume_stream.remote() for e in self.engines])
         return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],

@@ -16,14 +16,15 @@ from rl.config import Config, ConfigError
 
 def check_names(cfg: Config) -> None:
     from rl.advantages import ADVANTAGE_ESTIMATORS
-    from update.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from update.losses import CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
     loss = cfg.algorithm.loss
     for key, name, registry in (("algorithm.advantage", cfg.algorithm.advantage,
                                  ADVANTAGE_ESTIMATORS),
                                 ("algorithm.loss.policy_loss", loss.policy_loss, POLICY_LOSSES),
                                 ("algorithm.loss.loss_agg", loss.loss_agg, LOSS_AGGREGATIONS),
-                                ("algorithm.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)):
+                                ("algorithm.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS),
+                                ("algorithm.loss.correction", loss.correction, CORRECTIONS)):
         if name not in registry:
             raise ConfigError(f"{key}={name!r} is not registered; known: "
                               f"{', '.join(sorted(registry))}")

@@ -14,10 +14,11 @@ from rollout.config import RolloutConfig
 from update.config import LossConfig, TrainerConfig
 
 
-def cpu_binding(rank: int, world_size: int, num_cpus: int) -> str:
-    """The cores rank `rank` owns, as 'a-b' for VLLM_CPU_OMP_THREADS_BIND."""
+def cpu_binding(rank: int, world_size: int, num_cpus: int, first_core: int = 0) -> str:
+    """The cores rank `rank` owns among num_cpus cores from first_core, as 'a-b' for
+    VLLM_CPU_OMP_THREADS_BIND."""
     per_rank = max(1, num_cpus // world_size)
-    first = (rank * per_rank) % num_cpus
+    first = first_core + (rank * per_rank) % num_cpus
     return f"{first}-{first + per_rank - 1}"
 
 
@@ -29,17 +30,19 @@ def phase_seconds(stats, prefix: str = "") -> dict:
 class Role:
     """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
+        """cores: (first, count) of the machine's cores this role's ranks share (a
+        disaggregated run whose roles work at the same time); None: all of them."""
         import torch
 
         self.rank, self.world_size = rank, world_size
         if not torch.cuda.is_available():
-            num_cpus = os.cpu_count() or 1
+            first_core, num_cpus = cores or (0, os.cpu_count() or 1)
             threads = max(1, num_cpus // world_size)
             # vLLM makes torch.set_num_threads a no-op once it binds threads: set them first.
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-            cores = cpu_binding(rank, world_size, num_cpus)
+            cores = cpu_binding(rank, world_size, num_cpus, first_core)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
             # Pin now, not only once vLLM binds its threads: unpinned ranks that spin in
             # DeepSpeed's shared-memory collectives made warm-up steps up to 4x slower.
@@ -260,12 +263,15 @@ class RolloutRole(Role):
     policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
     direct_load = False  # syncs copy into the engine's parameters (else vLLM's reload)
     packed = None  # (layout digest, flat buffer) once the parameters live in one buffer
+    stream = None  # rollout.stream.GenerationLoop in the asynchronous pipeline modes
+    interruptible = True
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
                      version: int = 0) -> None:
         from rollout.vllm_engine import VLLMEngine
 
+        self.stop_stream()
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
@@ -345,14 +351,59 @@ class RolloutRole(Role):
         return {"groups": [[asdict(c) for c in group] for group in out],
                 "stats": self.engine.take_stats(), "policy_version": self.policy_version}
 
+    # ---- streaming generation (the asynchronous pipeline modes)
+    def start_stream(self, interruptible: bool) -> None:
+        """Generate from here on in a loop of its own (rollout.stream), fed by `submit`; a sync
+        pauses it (cutting the sequences in flight when interruptible) until `resume_stream`."""
+        from rollout.stream import GenerationLoop
+
+        self.stop_stream()
+        cfg = self.engine.cfg
+        self.stream = GenerationLoop(self.engine, self.policy_version, cfg.n, cfg.max_new_tokens)
+        self.interruptible = interruptible
+
+    def stop_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.stop()
+            self.stream = None
+
+    def submit(self, groups: list[tuple]) -> None:
+        """(key, prompt ids, seed, constraint) per group, to generate rollout.n samples of."""
+        self.stream.submit(groups)
+
+    def collect(self, timeout_s: float = 5.0) -> dict:
+        """{"groups": groups finished since the last call (each token with its version),
+        "stats": engine counters and seconds idle or paused since the last call}."""
+        groups = self.stream.collect(timeout_s)
+        times = self.stream.take_times()
+        return {"groups": groups, "stats": self.engine.take_stats(),
+                "idle_seconds": times["idle"], "paused_seconds": times["paused"],
+                "interrupted": times["interrupted"], "steps": self.stream.steps}
+
+    def stream_status(self) -> dict:
+        """{"steps": scheduler steps run, "paused": bool}, taking nothing (for tests)."""
+        return {"steps": self.stream.steps, "paused": self.stream.paused}
+
+    def resume_stream(self) -> None:
+        """After a verified sync: generation goes on under the engine's new version."""
+        if self.policy_version is None:
+            raise RuntimeError(f"rollout engine {self.rank}: no verified policy version to resume "
+                               f"generating with")
+        if self.stream is not None:
+            self.stream.resume(self.policy_version)
+
     @traced("sync")
     def receive_weights(self, version: int) -> dict:
-        """Disaggregated sync, receiving side (bucket size and checksum come with the layout)."""
+        """Disaggregated sync, receiving side (bucket size and checksum come with the layout).
+        Streaming, the loop pauses first and stays paused until `resume_stream`: nothing is
+        generated with weights the probe has not checked."""
         import time
 
         from weight_sync.transport import BroadcastTransport
 
         t0 = time.perf_counter()
+        if self.stream is not None:
+            self.stream.pause(interrupt=self.interruptible)
         self.policy_version = None  # until the whole version has arrived and checked out
         stats = BroadcastTransport(self.sync_group, 0).receive(
             self.engine.load_weights, version, keeps_views=not self.direct_load,

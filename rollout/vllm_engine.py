@@ -127,8 +127,12 @@ class VLLMEngine:
             p.data = new
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks: they were computed with the old weights."""
-        self.llm.reset_prefix_cache()
+        """Drop cached KV blocks: they were computed with the old weights. vLLM keeps every block
+        while a request holds some; that would leave old KV to serve new sequences, so it is an
+        error (streaming generation pauses with no request in the engine first)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: requests still hold KV "
+                               "blocks computed with the old weights")
 
     def weights_changed(self) -> None:
         """After new weights were written into `parameters()` in place: re-pack the linears
@@ -141,7 +145,7 @@ class VLLMEngine:
             for module in self._worker.model_runner.model.modules():
                 if getattr(module, "rl_repack", False):
                     repack(module, False)
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
 
     def set_weight_placer(self, place) -> None:
         """Have `load_weights` hand the tensors to `place(iterator)` (which copies them into
@@ -187,6 +191,26 @@ class VLLMEngine:
         if self.cfg.speculative_method is not None:
             self._rescore(prompts, groups)
         return groups
+
+    # ---- step by step, for rollout.stream.GenerationLoop (one thread drives these)
+    def add_request(self, request_id: str, prompt: list[int], seed: int | None,
+                    constraint: dict | None, max_tokens: int) -> None:
+        """One sample (n=1) of `prompt`, up to max_tokens new tokens; runs on `step`."""
+        from vllm import TokensPrompt
+
+        params = self.sampling_params(seed, constraint, n=1)
+        params.max_tokens = max_tokens
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+
+    def step(self) -> list:
+        """One scheduler step: the RequestOutputs (cumulative) of the requests it advanced."""
+        return self.llm.llm_engine.step()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(request_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
 
     def _rescore(self, prompts: list[list[int]], groups: list[list[Completion]]) -> None:
         """Replace sampled-token logprobs by the target model's, from one prefill pass.
@@ -236,7 +260,7 @@ class VLLMEngine:
             self.weights_changed()
         else:  # the reload packs the new weights itself
             self._worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-            self.llm.reset_prefix_cache()
+            self.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` after the first, under the engine's weights."""

@@ -63,6 +63,11 @@ class LossConfig:
     entropy_coef: float = 0.0
     "Weight of the entropy bonus (subtracted from the loss)."
     tis_cap: float = 2.0
-    "Truncated importance sampling: weight tokens by min(pi_trainer / pi_rollout, cap); 0 = off."
+    "Cap of the off-policy correction's weight pi_trainer / pi_rollout (see correction); 0 = off."
+    correction: str = "tis"
+    ("Off-policy correction in update.losses.CORRECTIONS, between the behavior policy (the "
+     "engine's logprob of each token) and the proximal one (the trainer's at the update's start): "
+     "tis (weight min(ratio, tis_cap)), decoupled (weight the ratio, drop tokens above tis_cap: "
+     "decoupled PPO, as AReaL), none.")
     value_clip: float = 0.2
     "PPO critic: clip range of new values around the old ones."

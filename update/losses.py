@@ -179,8 +179,40 @@ def tis_weights(old_logprobs, rollout_logprobs, cap: float):
     return torch.exp((old_logprobs - rollout_logprobs).clamp(max=20.0)).clamp(max=cap).detach()
 
 
+# ---------------------------------------------------------------- off-policy corrections
+CORRECTIONS: dict[str, Callable] = {}
+# Every correction takes (old_logprobs [B, T]: the trainer's at the version the update starts
+# from, i.e. the proximal policy; rollout_logprobs [B, T]: the behavior policy's, the engine's
+# logprob of each token under the version that produced it; cap) and returns per-token weights
+# [B, T] without gradient that multiply the policy loss. The policy losses above clip their
+# ratio to old_logprobs (the proximal policy) in every case.
+
+
+@register(CORRECTIONS, "tis")
+def correction_tis(old_logprobs, rollout_logprobs, cap: float):
+    """Truncated IS: weight min(pi_prox / pi_behavior, cap); a larger ratio is cut to the cap."""
+    return tis_weights(old_logprobs, rollout_logprobs, cap)
+
+
+@register(CORRECTIONS, "decoupled")
+def correction_decoupled(old_logprobs, rollout_logprobs, cap: float):
+    """Decoupled PPO (Hilton et al. 2022; AReaL's behav_imp_weight_cap): weight pi_prox /
+    pi_behavior, and drop the tokens whose weight exceeds the cap (weight 0) instead of cutting
+    it: a token the behavior policy made far likelier than the proximal one carries no signal
+    the update can trust. With behavior = proximal every weight is 1, the same as tis."""
+    ratio = torch.exp((old_logprobs - rollout_logprobs).clamp(max=20.0)).detach()
+    return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+
+
+@register(CORRECTIONS, "none")
+def correction_none(old_logprobs, rollout_logprobs, cap: float):
+    """No weight: the behavior policy is taken to be the proximal one."""
+    return torch.ones_like(old_logprobs)
+
+
 def policy_loss(inputs: LossInputs, cfg: LossConfig):
-    """The full actor loss: policy term (x TIS weights), + KL loss, - entropy bonus.
+    """The full actor loss: policy term (x the off-policy correction's weights), + KL loss,
+    - entropy bonus.
 
     Returns (loss, metrics); metrics are this piece's share of global means, so summing them
     over micro-batches and ranks gives the batch value.
@@ -191,10 +223,13 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig):
     n = max(counts.num_tokens, 1.0)
     metrics = {"loss/clip_frac": masked_sum(parts["clipped"], mask) / n,
                "loss/ratio_mean": masked_sum(parts["ratio"], mask) / n}
-    if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None:
-        weights = tis_weights(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
+    correct = lookup(CORRECTIONS, cfg.correction, "off-policy correction")
+    if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None and cfg.correction != "none":
+        weights = correct(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
         loss_tok = loss_tok * weights
         metrics["mismatch/tis_weight_mean"] = masked_sum(weights, mask) / n
+        if cfg.correction == "decoupled":
+            metrics["mismatch/dropped_tokens"] = masked_sum((weights == 0).float(), mask) / n
     loss = agg(loss_tok, mask, counts)
     metrics["loss/policy"] = loss.detach()
     if inputs.ref_logprobs is not None and cfg.kl_coef > 0 and cfg.use_kl_loss:

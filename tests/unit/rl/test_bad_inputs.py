@@ -73,6 +73,16 @@ CONFIG_CASES = {
     "unreachable ray.address": (["ray.address=127.0.0.1:1"], ["ray.address", "ray start --head"]),
     "rollout pool resources when colocated": (["ray.rollout_resources={rollout_node: 1}"],
                                               ["placement=disaggregated"]),
+    "unknown pipeline mode": (["pipeline.mode=async"], ["pipeline.mode", "fully_async"]),
+    "async pipeline when colocated": (["pipeline.mode=one_step"],
+                                      ["same cores", "placement=disaggregated"]),
+    "async pipeline with dynamic sampling": (
+        ["placement=disaggregated", "pipeline.mode=fully_async", "algorithm.dynamic_sampling=true"],
+        ["algorithm.dynamic_sampling", "pipeline.mode=sync"]),
+    "negative staleness bound": (["placement=disaggregated", "pipeline.mode=fully_async",
+                                  "pipeline.max_staleness=-1"], ["pipeline.max_staleness"]),
+    "unknown off-policy correction": (["algorithm.loss.correction=is"],
+                                      ["algorithm.loss.correction", "decoupled"]),
 }
 
 

