@@ -224,6 +224,7 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig):
     metrics = {"loss/clip_frac": masked_sum(parts["clipped"], mask) / n,
                "loss/ratio_mean": masked_sum(parts["ratio"], mask) / n}
     correct = lookup(CORRECTIONS, cfg.correction, "off-policy correction")
+    weights = None
     if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None and cfg.correction != "none":
         weights = correct(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
         loss_tok = loss_tok * weights
@@ -233,7 +234,13 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig):
     loss = agg(loss_tok, mask, counts)
     metrics["loss/policy"] = loss.detach()
     if inputs.ref_logprobs is not None and cfg.kl_coef > 0 and cfg.use_kl_loss:
-        kl_value = agg(kl(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator), mask, counts)
+        kl_tok = kl(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
+        if weights is not None and cfg.correction == "decoupled":
+            # the tokens came from the behavior policy: the current policy's KL to the
+            # reference is the weighted mean (unweighted, a stale token the policy has since
+            # made unlikely gets a k3 of exp(ref - logp): it blew up async runs)
+            kl_tok = kl_tok * weights
+        kl_value = agg(kl_tok, mask, counts)
         loss = loss + cfg.kl_coef * kl_value
         metrics["loss/kl"] = kl_value.detach()
     if inputs.entropy is not None:

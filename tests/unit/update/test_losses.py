@@ -128,6 +128,18 @@ def test_decoupled_drops_tokens_over_the_cap_where_tis_cuts_them():
     assert none.item() == pytest.approx(-1.0)
 
 
+def test_decoupled_weights_the_kl_term_of_off_policy_tokens():
+    # a stale token the policy has since made unlikely (logp -8, ref -1, behavior -1): its k3
+    # is exp(7) - 8 ~ 1089; decoupled weights it by pi_prox / pi_behavior = exp(-7)
+    lp, ref, behavior = [[-8.0]], [[-1.0]], [[-1.0]]
+    k3 = math.exp(7.0) - 7.0 - 1.0
+    x = lambda: inputs(lp, lp, [[0.0]], [[1.0]], ref=ref, rollout=behavior)  # noqa: E731
+    _, tis = policy_loss(x(), LossConfig(kl_coef=0.1, correction="tis"))
+    _, dec = policy_loss(x(), LossConfig(kl_coef=0.1, correction="decoupled"))
+    assert tis["loss/kl"].item() == pytest.approx(k3)
+    assert dec["loss/kl"].item() == pytest.approx(k3 * math.exp(-7.0))
+
+
 def test_an_unknown_correction_lists_the_known_ones():
     x = inputs([[0.0]], [[0.0]], [[1.0]], [[1.0]], rollout=[[0.0]])
     with pytest.raises(ValueError, match="decoupled, none, tis"):
