@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from update.losses import BatchCounts
+from update.losses import MAX_METRICS, BatchCounts
 
 TOKEN_FIELDS = ("advantages", "returns", "rollout_logprobs", "old_logprobs", "ref_logprobs",
                 "values")
@@ -112,3 +112,27 @@ def plan_update(samples: list[Sample], world_size: int, num_mini_batches: int,
         plan.mini_batches.append([[collate(m, pad_id) for m in micros]
                                   for micros in split_ranks(mini, world_size, grad_accum)])
     return plan
+
+
+def padded(samples: list[Sample], name: str) -> torch.Tensor:
+    """[B, T] response-only token values of `name` (T = the longest response), zero-padded."""
+    width = max(len(s.response_ids) for s in samples)
+    out = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        values = getattr(s, name)
+        out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def response_mask(samples: list[Sample]) -> torch.Tensor:
+    width = max(len(s.response_ids) for s in samples)
+    return (torch.arange(width)[None, :] <
+            torch.tensor([len(s.response_ids) for s in samples])[:, None]).float()
+
+
+def reduce_rank_metrics(results: list[dict]) -> dict:
+    """Ranks return their shares of global means: sum them (maxima: the max); grad norms are
+    global already."""
+    return {k: (results[0][k] if k == "grad_norm" else
+                max(r[k] for r in results) if k in MAX_METRICS else sum(r[k] for r in results))
+            for k in results[0]}

@@ -9,7 +9,8 @@ import torch
 
 from rl import checkpoint as ckpt
 from rl.advantages import AdvantageInputs, compute_advantages
-from rl.batch import Sample, chunk, collate, plan_update, response_slice, split_ranks
+from rl.batch import (Sample, chunk, collate, padded, plan_update, reduce_rank_metrics,
+                      response_mask, response_slice, split_ranks)
 from rl.collect import collect, overlong_penalty
 from rl.config import Config, ConfigError, grad_accum_steps, to_yaml
 from rl.errors import ActorFailure, death_cause, prompt_error, stop_on_sigterm
@@ -31,30 +32,6 @@ def new_run_dir(cfg: Config) -> Path:
         path = base.with_name(f"{base.name}-{i}")
     path.mkdir(parents=True)
     return path
-
-
-def padded(samples: list[Sample], name: str) -> torch.Tensor:
-    """[B, T] response-only token values of `name` (T = the longest response), zero-padded."""
-    width = max(len(s.response_ids) for s in samples)
-    out = torch.zeros(len(samples), width)
-    for i, s in enumerate(samples):
-        values = getattr(s, name)
-        out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out
-
-
-def response_mask(samples: list[Sample]) -> torch.Tensor:
-    width = max(len(s.response_ids) for s in samples)
-    return (torch.arange(width)[None, :] <
-            torch.tensor([len(s.response_ids) for s in samples])[:, None]).float()
-
-
-def reduce_rank_metrics(results: list[dict]) -> dict:
-    """Ranks return their shares of global means: sum them (maxima: the max); grad norms are
-    global already."""
-    return {k: (results[0][k] if k == "grad_norm" else
-                max(r[k] for r in results) if k in MAX_METRICS else sum(r[k] for r in results))
-            for k in results[0]}
 
 
 class Controller:
