@@ -13,7 +13,7 @@ from rl.controller import Controller
 
 ROOT = Path(__file__).parents[2]
 OVERRIDES = ["warmup.sft_steps=0", "rollout.prompts_per_step=8", "rollout.n=4",
-             "trainer.micro_batch_size=32", "ray.num_cpus_per_worker=0.5",
+             "ray.num_workers=1", "trainer.micro_batch_size=32", "ray.num_cpus_per_worker=0.5",
              "ray.num_cpus_per_rollout_worker=0.5", "run.timeline_steps=0"]
 LONG = 200  # tokens of the sequences the tests cut (the tiny model rarely stops early)
 
