@@ -54,7 +54,7 @@ class RolloutProducer:
         self.max_staleness = 1 if self.in_order else cfg.pipeline.max_staleness
         self.batches = 0  # batches handed out
         self.in_flight: dict[tuple[int, int], int] = {}  # group key -> engine index
-        self.buffer: list[Group] = []  # finished and scored, not yet trained
+        self.buffer: list[Group] = []  # finished, not yet trained
         self.collects: dict = {}  # outstanding collect future -> engine index
         self.dropped_stale = 0
         self.engine_times = {"idle": 0.0, "paused": 0.0, "interrupted": 0.0}
@@ -124,7 +124,7 @@ class RolloutProducer:
 
     def _ready(self) -> list[Group]:
         """The groups the next update may take, in the order it takes them."""
-        if self.in_order:  # the oldest batch, whole
+        if self.in_order:  # the oldest batch, whole (at staleness 1 none of it is ever stale)
             oldest = min([k[0] for k in self.in_flight] + [g.key[0] for g in self.buffer])
             batch = [g for g in self.buffer if g.key[0] == oldest]
             return sorted(batch, key=lambda g: g.key) if len(batch) == self.want else []
@@ -174,6 +174,7 @@ class RolloutProducer:
             "time/rollout_wait": self.engine_times["idle"] / n,
             "time/rollout_paused": self.engine_times["paused"] / n,
             "rollout/interrupted_frac": sum(x > 0 for x in spread) / len(samples),
+            "pipeline/interrupted_sequences": self.engine_times["interrupted"],
             "rollout/version_spread_max": float(max(spread, default=0)),
         })
         self.engine_times = dict.fromkeys(self.engine_times, 0.0)
