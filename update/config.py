@@ -67,7 +67,8 @@ class LossConfig:
     correction: str = "tis"
     ("Off-policy correction in update.losses.CORRECTIONS, between the behavior policy (the "
      "engine's logprob of each token) and the proximal one (the trainer's at the update's start): "
-     "tis (weight min(ratio, tis_cap)), decoupled (weight the ratio, drop tokens above tis_cap: "
-     "decoupled PPO, as AReaL), none.")
+     "tis (ratio to proximal, weight min(proximal/behavior, tis_cap)), decoupled (ratio to "
+     "proximal, weight proximal/behavior, tokens above tis_cap dropped: decoupled PPO as AReaL), "
+     "none (ratio and clip to the behavior policy, no weight).")
     value_clip: float = 0.2
     "PPO critic: clip range of new values around the old ones."

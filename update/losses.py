@@ -8,7 +8,7 @@ truncated-IS weights, aggregation, KL and entropy terms around them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -183,31 +183,52 @@ def tis_weights(old_logprobs, rollout_logprobs, cap: float):
 CORRECTIONS: dict[str, Callable] = {}
 # Every correction takes (old_logprobs [B, T]: the trainer's at the version the update starts
 # from, i.e. the proximal policy; rollout_logprobs [B, T]: the behavior policy's, the engine's
-# logprob of each token under the version that produced it; cap) and returns per-token weights
-# [B, T] without gradient that multiply the policy loss. The policy losses above clip their
-# ratio to old_logprobs (the proximal policy) in every case.
+# logprob of each token under the version that produced it; cap) and returns a Correction: the
+# logprobs the policy loss takes its ratio (and clip) to, per-token weights of the policy loss,
+# and per-token weights of the KL loss (None: unweighted), all without gradient.
 
 
-@register(CORRECTIONS, "tis")
-def correction_tis(old_logprobs, rollout_logprobs, cap: float):
-    """Truncated IS: weight min(pi_prox / pi_behavior, cap); a larger ratio is cut to the cap."""
-    return tis_weights(old_logprobs, rollout_logprobs, cap)
+@dataclass
+class Correction:
+    ratio_to: torch.Tensor  # [B, T] the "old" logprobs of the policy loss's ratio
+    weights: torch.Tensor | None  # [B, T] multiply the policy loss per token
+    kl_weights: torch.Tensor | None  # [B, T] multiply the KL loss per token
 
 
-@register(CORRECTIONS, "decoupled")
-def correction_decoupled(old_logprobs, rollout_logprobs, cap: float):
-    """Decoupled PPO (Hilton et al. 2022; AReaL's behav_imp_weight_cap): weight pi_prox /
-    pi_behavior, and drop the tokens whose weight exceeds the cap (weight 0) instead of cutting
-    it: a token the behavior policy made far likelier than the proximal one carries no signal
-    the update can trust. With behavior = proximal every weight is 1, the same as tis."""
+def _capped_ratio(old_logprobs, rollout_logprobs, cap: float):
+    """proximal / behavior per token, 0 where it exceeds the cap (no gradient)."""
     ratio = torch.exp((old_logprobs - rollout_logprobs).clamp(max=20.0)).detach()
     return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
 
 
+@register(CORRECTIONS, "tis")
+def correction_tis(old_logprobs, rollout_logprobs, cap: float) -> Correction:
+    """Truncated IS: ratio to the proximal policy, weight min(pi_prox / pi_behavior, cap); a
+    larger ratio is cut to the cap. Meant for the engine/trainer mismatch of one version (the
+    sync pipeline), so the KL loss is not weighted."""
+    return Correction(old_logprobs, tis_weights(old_logprobs, rollout_logprobs, cap), None)
+
+
+@register(CORRECTIONS, "decoupled")
+def correction_decoupled(old_logprobs, rollout_logprobs, cap: float) -> Correction:
+    """Decoupled PPO (Hilton et al. 2022; AReaL's behav_imp_weight_cap): ratio and clip to the
+    proximal policy, weight pi_prox / pi_behavior, and drop the tokens whose weight exceeds the
+    cap (weight 0) instead of cutting it: a token the behavior policy made far likelier than the
+    proximal one carries no signal the update can trust. The KL loss takes the same weights:
+    the current policy's KL to the reference, estimated from behavior samples (unweighted, a
+    stale token the policy has since made unlikely gets a k3 of exp(ref - logp), which blew up
+    async runs). With behavior = proximal every weight is 1, the same as tis."""
+    weights = _capped_ratio(old_logprobs, rollout_logprobs, cap)
+    return Correction(old_logprobs, weights, weights)
+
+
 @register(CORRECTIONS, "none")
-def correction_none(old_logprobs, rollout_logprobs, cap: float):
-    """No weight: the behavior policy is taken to be the proximal one."""
-    return torch.ones_like(old_logprobs)
+def correction_none(old_logprobs, rollout_logprobs, cap: float) -> Correction:
+    """No weight: the behavior policy is the old policy, so the ratio and its clip are to the
+    engine's logprobs (plain PPO on the samples as generated; AReaL without recomputation). A
+    token that an update since its generation already moved by more than the clip range in its
+    advantage's direction gets no more push. The KL loss is weighted as in decoupled."""
+    return Correction(rollout_logprobs, None, _capped_ratio(old_logprobs, rollout_logprobs, cap))
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig):
@@ -219,27 +240,26 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig):
     """
     mask, counts = inputs.response_mask, inputs.counts
     agg = lookup(LOSS_AGGREGATIONS, cfg.loss_agg, "loss aggregation")
+    correct = lookup(CORRECTIONS, cfg.correction, "off-policy correction")
+    fix = None
+    if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None:
+        fix = correct(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
+        inputs = replace(inputs, old_logprobs=fix.ratio_to)
     loss_tok, parts = lookup(POLICY_LOSSES, cfg.policy_loss, "policy loss")(inputs, cfg)
     n = max(counts.num_tokens, 1.0)
     metrics = {"loss/clip_frac": masked_sum(parts["clipped"], mask) / n,
                "loss/ratio_mean": masked_sum(parts["ratio"], mask) / n}
-    correct = lookup(CORRECTIONS, cfg.correction, "off-policy correction")
-    weights = None
-    if cfg.tis_cap > 0 and inputs.rollout_logprobs is not None and cfg.correction != "none":
-        weights = correct(inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap)
-        loss_tok = loss_tok * weights
-        metrics["mismatch/tis_weight_mean"] = masked_sum(weights, mask) / n
-        if cfg.correction == "decoupled":
-            metrics["mismatch/dropped_tokens"] = masked_sum((weights == 0).float(), mask) / n
+    if fix is not None and fix.weights is not None:
+        loss_tok = loss_tok * fix.weights
+        metrics["mismatch/tis_weight_mean"] = masked_sum(fix.weights, mask) / n
+    if fix is not None and cfg.correction == "decoupled":
+        metrics["mismatch/dropped_tokens"] = masked_sum((fix.weights == 0).float(), mask) / n
     loss = agg(loss_tok, mask, counts)
     metrics["loss/policy"] = loss.detach()
     if inputs.ref_logprobs is not None and cfg.kl_coef > 0 and cfg.use_kl_loss:
         kl_tok = kl(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
-        if weights is not None and cfg.correction == "decoupled":
-            # the tokens came from the behavior policy: the current policy's KL to the
-            # reference is the weighted mean (unweighted, a stale token the policy has since
-            # made unlikely gets a k3 of exp(ref - logp): it blew up async runs)
-            kl_tok = kl_tok * weights
+        if fix is not None and fix.kl_weights is not None:
+            kl_tok = kl_tok * fix.kl_weights
         kl_value = agg(kl_tok, mask, counts)
         loss = loss + cfg.kl_coef * kl_value
         metrics["loss/kl"] = kl_value.detach()

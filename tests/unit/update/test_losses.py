@@ -125,7 +125,8 @@ def test_decoupled_drops_tokens_over_the_cap_where_tis_cuts_them():
     assert tis.item() == pytest.approx(-(2.0 + 1.5) / 2)
     assert dec.item() == pytest.approx(-(0.0 + 1.5) / 2)
     assert m["mismatch/dropped_tokens"].item() == pytest.approx(0.5)
-    assert none.item() == pytest.approx(-1.0)
+    # none: the ratio is to the behavior policy (3 and 1.5), clipped at 1 + 0.2, no weight
+    assert none.item() == pytest.approx(-1.2)
 
 
 def test_decoupled_weights_the_kl_term_of_off_policy_tokens():
@@ -138,6 +139,21 @@ def test_decoupled_weights_the_kl_term_of_off_policy_tokens():
     _, dec = policy_loss(x(), LossConfig(kl_coef=0.1, correction="decoupled"))
     assert tis["loss/kl"].item() == pytest.approx(k3)
     assert dec["loss/kl"].item() == pytest.approx(k3 * math.exp(-7.0))
+
+
+def test_none_takes_its_ratio_to_the_behavior_policy():
+    # the policy moved a token from behavior logprob -1 to -0.5 since it was generated: its
+    # ratio is exp(0.5) ~ 1.65 > 1.2, so with A > 0 it is clipped (no gradient); with A < 0 the
+    # unclipped term binds and the gradient is -A * ratio
+    lp, behavior = [[-0.5, -0.5]], [[-1.0, -1.0]]
+    x = inputs(lp, lp, [[1.0, -1.0]], [[1.0, 1.0]], rollout=behavior)
+    loss, m = policy_loss(x, LossConfig(correction="none"))
+    loss.backward()
+    r = math.exp(0.5)
+    assert loss.item() == pytest.approx((-1.2 + r) / 2)
+    assert x.logprobs.grad[0].tolist() == pytest.approx([0.0, r / 2])
+    assert m["loss/clip_frac"].item() == pytest.approx(0.5)
+    assert "mismatch/tis_weight_mean" not in m
 
 
 def test_an_unknown_correction_lists_the_known_ones():
