@@ -68,10 +68,10 @@ def main() -> None:
     rows = {
         "sync": run("sync", quickstart, DISAGGREGATED, args),
         "one_step": run("one_step", quickstart, DISAGGREGATED + [
-            "pipeline.mode=one_step", "algorithm.loss.correction=decoupled"], args),
+            "pipeline.mode=one_step", "algorithm.loss.correction=none"], args),
         "fully_async": run("fully_async", quickstart, DISAGGREGATED + [
             "pipeline.mode=fully_async", f"pipeline.max_staleness={args.max_staleness}",
-            "algorithm.loss.correction=decoupled"], args),
+            "algorithm.loss.correction=none"], args),
         "colocated sync (info)": run("colocated", quickstart, [], args),
     }
     sync = rows["sync"]
