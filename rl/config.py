@@ -339,6 +339,11 @@ def check_pipeline(cfg: Config) -> None:
                           f"turns; set placement=disaggregated (or pipeline.mode=sync)")
     if pipe.max_staleness < 0:
         raise ConfigError(f"pipeline.max_staleness={pipe.max_staleness}: use 0 or more")
+    if cfg.rollout.speculative_method is not None:
+        raise ConfigError(f"rollout.speculative_method={cfg.rollout.speculative_method} with "
+                          f"pipeline.mode={pipe.mode}: streaming engines do not rescore the "
+                          f"speculated tokens' logprobs yet; drop the speculation or use "
+                          f"pipeline.mode=sync")
     if cfg.algorithm.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling resamples within a step, which the async "
                           "pipeline modes do not have; use pipeline.mode=sync for DAPO's "

@@ -79,6 +79,9 @@ CONFIG_CASES = {
     "async pipeline with dynamic sampling": (
         ["placement=disaggregated", "pipeline.mode=fully_async", "algorithm.dynamic_sampling=true"],
         ["algorithm.dynamic_sampling", "pipeline.mode=sync"]),
+    "async pipeline with speculative decoding": (
+        ["placement=disaggregated", "pipeline.mode=one_step", "rollout.speculative_method=ngram"],
+        ["rollout.speculative_method", "pipeline.mode=sync"]),
     "negative staleness bound": (["placement=disaggregated", "pipeline.mode=fully_async",
                                   "pipeline.max_staleness=-1"], ["pipeline.max_staleness"]),
     "unknown off-policy correction": (["algorithm.loss.correction=is"],
