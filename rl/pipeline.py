@@ -22,9 +22,10 @@ drops (and counts, `pipeline/dropped_stale`) any that a slow engine let fall beh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rl.batch import Sample
+from rl.collect import Collected, reward_summary
 
 
 @dataclass
@@ -32,16 +33,6 @@ class Group:
     key: tuple[int, int]  # (batch handed out, group within it)
     samples: list[Sample]
     version: int  # the oldest first-token version of its samples
-
-
-@dataclass
-class Taken:
-    """A step's batch, as rl.collect.Collected has it for the lock-step pipeline."""
-    samples: list[Sample]
-    all_samples: list[Sample]
-    metrics: dict = field(default_factory=dict)
-    seconds_generate: float = 0.0  # the trainer's wait for rollouts
-    seconds_reward: float = 0.0
 
 
 class RolloutProducer:
@@ -108,9 +99,8 @@ class RolloutProducer:
             self.collects.pop(future)
             result = ray.get(future)
             self.stats.append(result["stats"])
-            for k in ("idle", "paused", "interrupted"):
-                key = "interrupted" if k == "interrupted" else f"{k}_seconds"
-                self.engine_times[k] += result[key]
+            for k, v in result["times"].items():
+                self.engine_times[k] += v
             for item in result["groups"]:
                 b, g, r = item["key"]
                 self.in_flight.pop((b, g))
@@ -130,7 +120,7 @@ class RolloutProducer:
             return sorted(batch, key=lambda g: g.key) if len(batch) == self.want else []
         return sorted(self.buffer, key=lambda g: (g.version, g.key))[:self.want]
 
-    def take(self, step: int) -> Taken:
+    def take(self, step: int) -> Collected:
         """The step's batch: prompts_per_step groups within the bound of the update that
         starts from the current policy version (waiting for the engines as needed)."""
         u = self.c.policy_version
@@ -158,11 +148,9 @@ class RolloutProducer:
         metrics = self.c.score(samples)  # the trained batch's rewards, as in lock-step
         reward_seconds = time.perf_counter() - t1
         metrics.update(self._metrics(samples))
-        return Taken(samples, samples, metrics, waited, reward_seconds)
+        return Collected(samples, samples, metrics, waited, reward_seconds)
 
     def _metrics(self, samples: list[Sample]) -> dict:
-        from rl.collect import reward_summary
-
         metrics = reward_summary(samples, self.c.cfg.algorithm.overlong_buffer)
         spread = [max(s.token_versions) - min(s.token_versions) for s in samples
                   if s.token_versions]

@@ -373,12 +373,11 @@ class RolloutRole(Role):
 
     def collect(self, timeout_s: float = 5.0) -> dict:
         """{"groups": groups finished since the last call (each token with its version),
-        "stats": engine counters and seconds idle or paused since the last call}."""
+        "stats": engine counters, "times": seconds idle or paused and sequences cut since the
+        last call (rollout.stream.GenerationLoop.take_times)}."""
         groups = self.stream.collect(timeout_s)
-        times = self.stream.take_times()
         return {"groups": groups, "stats": self.engine.take_stats(),
-                "idle_seconds": times["idle"], "paused_seconds": times["paused"],
-                "interrupted": times["interrupted"], "steps": self.stream.steps}
+                "times": self.stream.take_times()}
 
     def stream_status(self) -> dict:
         """{"steps": scheduler steps run, "paused": bool}, taking nothing (for tests)."""

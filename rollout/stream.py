@@ -87,11 +87,6 @@ class GenerationLoop:
             out, self.done = self.done, []
             return out
 
-    def pending(self) -> int:
-        """Groups submitted and not yet collected."""
-        with self.cv:
-            return len(self.groups) + len(self.done)
-
     def pause(self, interrupt: bool) -> None:
         """Stop between two scheduler steps with no request left in the engine (see the module
         docstring for what happens to the sequences in flight). Idempotent. The loop itself
