@@ -69,9 +69,29 @@ def test_a_slow_trainer_never_trains_beyond_max_staleness(async_run, monkeypatch
     assert metrics[-1]["time/rollout_wait"] > 0.5  # the engine waited for the bound
 
 
-def long_group(c: Controller, key) -> tuple:
-    prompt = c.prompts.prompt_ids[0]
-    return (key, prompt, 12345, None), prompt
+def generate_then_train(c: Controller, key, tokens_in: int):
+    """The engine (ours alone after `quiesce`) starts a long group, which gets ~tokens_in tokens
+    under version v; then one supervised step moves the trainer's weights past v. Returns
+    (engine, prompt, v)."""
+    import ray
+
+    quiesce(c)
+    engine, prompt = c.engines[0], c.prompts.prompt_ids[0]
+    start = ray.get(engine.stream_status.remote())["steps"]
+    ray.get(engine.submit.remote([(key, prompt, 12345, None)]))
+    wait_for_steps(engine, start + tokens_in)
+    sft_step(c, prompt)
+    return engine, prompt, c.policy_version
+
+
+def trainer_diffs(c: Controller, prompt: list[int], comp: dict, version: int) -> list[float]:
+    """|behavior logprob - the trainer's now| of the completion's tokens of `version`."""
+    import ray
+
+    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + comp["token_ids"]))
+    own = trainer[len(prompt) - 1:]  # token by token
+    return [abs(a - b) for a, b, ver in zip(comp["logprobs"], own, comp["versions"])
+            if ver == version]
 
 
 def wait_for_steps(engine, at_least: int) -> int:
@@ -104,21 +124,11 @@ def sft_step(c: Controller, prompt: list[int]) -> None:
 
 
 def test_an_interrupted_sequence_keeps_each_tokens_version_and_behavior_logprob(async_run):
-    import ray
-
     c = async_run
-    quiesce(c)
-    engine = c.engines[0]
-    group, prompt = long_group(c, ("cut", 0, 0))
-    start = ray.get(engine.stream_status.remote())["steps"]
-    ray.get(engine.submit.remote([group]))
-    wait_for_steps(engine, start + 20)  # ~20 tokens in under the engine's version v
-    sft_step(c, prompt)  # the trainer moves on to what becomes version v + 1
-    v = c.policy_version
+    key = ("cut", 0, 0)
+    engine, prompt, v = generate_then_train(c, key, 20)  # the trainer moves on to v + 1
     c.sync()  # interrupts the sequences in flight
-    result = collect_group(engine, group[0])
-    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + result["completions"][0][
-        "token_ids"]))
+    result = collect_group(engine, key)
     cut = 0
     for comp in result["completions"]:
         versions, lps = comp["versions"], comp["logprobs"]
@@ -128,11 +138,8 @@ def test_an_interrupted_sequence_keeps_each_tokens_version_and_behavior_logprob(
             cut += 1
             first = versions.index(v + 1)
             assert versions == [v] * first + [v + 1] * (len(versions) - first)
-        if comp is result["completions"][0]:
-            own = trainer[len(prompt) - 1:]  # the trainer at v + 1, token by token
-            diffs = [abs(a - b) for a, b in zip(lps, own)]
-            new = [d for d, ver in zip(diffs, versions) if ver == v + 1]
-            old = [d for d, ver in zip(diffs, versions) if ver == v]
+        if comp is result["completions"][0]:  # against the trainer at v + 1
+            new, old = trainer_diffs(c, prompt, comp, v + 1), trainer_diffs(c, prompt, comp, v)
             assert new and max(new) < 1e-3  # tokens of v + 1: v + 1's logprobs
             assert old and max(old) > 1e-3  # tokens of v: still v's, not recomputed
             # the trainer gets each token's own behavior logprob
@@ -148,14 +155,8 @@ def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
     from weight_sync.transport import WeightSyncError
 
     c = async_run
-    quiesce(c)
-    engine = c.engines[0]
-    group, prompt = long_group(c, ("corrupt", 0, 0))
-    start = ray.get(engine.stream_status.remote())["steps"]
-    ray.get(engine.submit.remote([group]))
-    wait_for_steps(engine, start + 10)
-    sft_step(c, prompt)
-    v = c.policy_version
+    key = ("corrupt", 0, 0)
+    engine, prompt, v = generate_then_train(c, key, 10)
     with pytest.raises(WeightSyncError):
         c.placement.sync(v + 1, c.probe, corrupt_bucket=0)
     frozen = ray.get(engine.stream_status.remote())
@@ -163,12 +164,8 @@ def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
     assert frozen["paused"] and ray.get(engine.stream_status.remote()) == frozen
     c.sync()  # repairs: v + 1 again, checked, and generation resumes
     assert c.policy_version == v + 1
-    result = collect_group(engine, group[0])
-    comp = result["completions"][0]
-    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + comp["token_ids"]))
-    own = trainer[len(prompt) - 1:]
-    after = [abs(a - b) for a, b, ver in zip(comp["logprobs"], own, comp["versions"])
-             if ver == v + 1]
+    comp = collect_group(engine, key)["completions"][0]
+    after = trainer_diffs(c, prompt, comp, v + 1)
     assert after and max(after) < 1e-3  # no token came from the corrupted weights
 
 
