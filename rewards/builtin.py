@@ -1,4 +1,4 @@
-"""Built-in rewards: exact_answer, math, json_field, format, length, code_exec."""
+"""Built-in rewards: exact_answer, math, json_field, format, length, code_exec, reasoning_gym."""
 from __future__ import annotations
 
 import re
@@ -172,3 +172,32 @@ def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
     passed = run_cases(extract_code(completion), tests, limits, isolated=not unsafe_no_isolation,
                        python=python)
     return sum(passed) / len(tests)  # our count of cases: whatever the program wrote, <= 1
+
+
+def _check_reasoning_gym(rows: list, args: dict) -> None:
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r.get("reasoning_gym"), dict)),
+               None)
+    if bad is not None:
+        raise StartCheckError(f"row {bad} has no 'reasoning_gym' field; this reward scores rows "
+                              f"from data.train_path: reasoning_gym:<task>")
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        raise StartCheckError("the reasoning-gym package is not installed: pip install -e "
+                              "'.[tasks]'") from None
+
+
+@register("reasoning_gym")
+@start_check(_check_reasoning_gym)
+def reasoning_gym_answer(prompt: str, completion: str, answer: str, reasoning_gym: dict,
+                         **row) -> float:
+    """The reasoning-gym task's own verifier (`score_answer`, 0.0-1.0; partial credit where the
+    task gives it) on the last <answer>...</answer> of the completion, or the whole completion
+    when it has none."""
+    import reasoning_gym as gym
+    from reasoning_gym.utils import extract_answer
+
+    tagged = extract_answer(completion)
+    score = gym.get_score_answer_fn(reasoning_gym["task"])
+    return float(score(tagged if tagged is not None else completion.strip(),
+                       reasoning_gym["entry"]))

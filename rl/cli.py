@@ -82,5 +82,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def eval_main(argv: list[str] | None = None) -> int:
+    """`rl-eval RECIPE MODEL_DIR [key=value ...]`: score a saved model on the recipe's held-out
+    prompts exactly as a run's evaluation does (the same split, engines and seeds)."""
+    p = argparse.ArgumentParser(
+        prog="rl-eval", description="Held-out evaluation of a saved model, as rl-train does it.",
+        epilog="example: rl-eval recipes/quickstart.yaml runs/quickstart/final_model")
+    p.add_argument("recipe", help="the recipe (or a run's config.yaml) that defines the held-out "
+                                  "set, the reward and the engines")
+    p.add_argument("model", help="a Hugging Face model directory (e.g. a run's final_model)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, as for rl-train")
+    p.add_argument("--output", default=None, metavar="DIR",
+                   help="write eval.json and the responses (step_0.jsonl) here")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from rl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        if not (Path(args.model) / "config.json").exists():
+            raise ConfigError(f"model '{args.model}' is not a Hugging Face model directory (no "
+                              f"config.json); give a run's final_model or a saved checkpoint")
+        if not (cfg.data.eval_path or cfg.data.eval_fraction):
+            raise ConfigError(f"recipe '{args.recipe}' has no held-out set; set "
+                              f"data.eval_fraction (e.g. 0.1) or data.eval_path")
+        from rl.preflight import preflight
+
+        rows = preflight(cfg)
+        from rl.evaluate import evaluate_model
+
+        metrics = evaluate_model(cfg, rows, args.model,
+                                 Path(args.output) if args.output else None)
+    except ConfigError as e:
+        print(f"rl-eval: {e}", file=sys.stderr)
+        return 2
+    import json
+
+    print(json.dumps(metrics, indent=1, sort_keys=True))
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,7 +42,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = "builtin:arithmetic"
-    "A .jsonl/.json/.parquet file of rows, or builtin:arithmetic / builtin:fractions (generated)."
+    ("A .jsonl/.json/.parquet file of rows, builtin:arithmetic / builtin:fractions (generated), "
+     "or reasoning_gym:<task> (a reasoning-gym task, e.g. basic_arithmetic, gsm_symbolic; "
+     "pip install -e '.[tasks]').")
     prompt_key: str = "prompt"
     "Row field holding the prompt: a user message string or a list of chat messages."
     system_prompt: Optional[str] = None
@@ -51,6 +53,19 @@ class DataConfig:
     "Rows of builtin:arithmetic to generate."
     max_operand: int = 20
     "builtin:arithmetic operands lie in [0, max_operand]."
+    task_config: Dict[str, Any] = field(default_factory=dict)
+    ("reasoning_gym:<task>: the task's own settings (e.g. {min_terms: 2, max_terms: 3}); "
+     "num_rows is its size, run.seed its seed.")
+    answer_instruction: str = ""
+    ("reasoning_gym:<task>: text appended to each question, e.g. 'Give the final answer inside "
+     "<answer></answer>.' (the reasoning_gym reward scores the last <answer> block, else the "
+     "whole response).")
+    eval_path: Optional[str] = None
+    ("Held-out prompts (a file like train_path): evaluated, never trained on; training rows with "
+     "the same prompt text are dropped from RL and the warm-up.")
+    eval_fraction: float = 0.0
+    ("Without eval_path: hold out this fraction of the training file's distinct prompt texts "
+     "(every row with a held-out text; the same texts whatever run.seed).")
 
 
 @dataclass
@@ -63,6 +78,9 @@ class WarmupConfig:
     "Warm-up samples per optimizer step (all ranks together)."
     answer_noise: float = 0.0
     "Fraction of warm-up targets replaced by a near-miss number: a deliberately imperfect base."
+    noise_offsets: List[int] = field(default_factory=lambda: [-3, -2, -1, 1, 2, 3])
+    ("What a near-miss target adds to the answer, drawn uniformly; [1] makes a base model that "
+     "is biased to answer one too many (a systematic error RL can correct).")
     target_template: str = "{answer}"
     "The warm-up response, formatted with the row's fields ({answer} is the possibly noisy one)."
 
@@ -322,8 +340,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ray.rollout_resources places rollout engines of their own: it needs "
                           "placement=disaggregated (colocated workers take ray.trainer_resources)")
     check_pipeline(cfg)
+    check_eval(cfg)
     if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
         raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
+    if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
+        raise ConfigError(f"warmup.noise_offsets={cfg.warmup.noise_offsets}: a near miss needs a "
+                          f"non-zero offset, e.g. [1] or [-3, -2, -1, 1, 2, 3]")
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -348,6 +370,26 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError("algorithm.dynamic_sampling resamples within a step, which the async "
                           "pipeline modes do not have; use pipeline.mode=sync for DAPO's "
                           "dynamic sampling")
+
+
+def check_eval(cfg: Config) -> None:
+    data, t = cfg.data, cfg.trainer
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction}: use a value in [0, 1) "
+                          f"(0: no held-out split)")
+    if data.eval_path and data.eval_fraction:
+        raise ConfigError("data.eval_path and data.eval_fraction both give a held-out set; "
+                          "set one (data.eval_fraction=0 to use the file)")
+    if t.eval_every < 0 or t.eval_k < 0:
+        raise ConfigError(f"trainer.eval_every={t.eval_every}, trainer.eval_k={t.eval_k}: use 0 "
+                          f"or more")
+    if t.eval_every and not (data.eval_path or data.eval_fraction):
+        raise ConfigError(f"trainer.eval_every={t.eval_every} needs a held-out set: set "
+                          f"data.eval_fraction (e.g. 0.1) or data.eval_path")
+    if t.eval_every and cfg.pipeline.mode != "sync":
+        raise ConfigError(f"trainer.eval_every={t.eval_every} with pipeline.mode="
+                          f"{cfg.pipeline.mode}: the streaming engines evaluate only before the "
+                          f"first step and after the last; set trainer.eval_every=0")
 
 
 LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name: package

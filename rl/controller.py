@@ -54,6 +54,7 @@ class Controller:
         self.spans = Spans()  # the driver's track of timeline.json
         self.timeline = None
         self.log = None
+        self.evaluator = None  # rl.evaluate.Evaluator when there is a held-out set
 
     @property
     def trainers(self) -> list:
@@ -81,9 +82,17 @@ class Controller:
                       else resolve_model_path(cfg.model.path, cfg.run.seed))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         try:  # prompts that cannot be rendered or do not fit: refused before Ray starts
-            self.prompts = PromptSet(rows, self.tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
+            self.prompts = PromptSet(rows.train, self.tokenizer, cfg.data, cfg.run.seed,
+                                     cfg.rollout)
+            self.held_out = (PromptSet(rows.held_out, self.tokenizer, cfg.data, cfg.run.seed,
+                                       cfg.rollout) if rows.held_out else None)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(prompt_error(e, cfg)) from None
+        if self.held_out is not None:
+            print(f"data: {len(self.prompts.rows)} training rows, {len(self.held_out.rows)} "
+                  f"held-out prompts (never trained on"
+                  + (f"; {rows.dropped} training rows with a held-out prompt dropped)"
+                     if rows.dropped else ")"), flush=True)
         self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run directory: {self.run_dir}" + (f" (resuming from {resume.checkpoint})"
@@ -96,6 +105,11 @@ class Controller:
             start_ray(cfg)
         stop_on_sigterm()  # ray.init put its own handler in place
         self.scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)  # fails early on a bad name
+        if self.held_out is not None:
+            from rl.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.held_out, self.scorer, cfg.trainer.eval_k,
+                                       cfg.trainer.eval_threshold, self.run_dir / "eval")
         self.grad_accum = grad_accum_steps(cfg)
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
@@ -133,6 +147,8 @@ class Controller:
         else:
             with span("init engines"):
                 self.placement.init_rollout(model_path, self.policy_version)
+        # a new run scores its base model on the held-out set before step 1
+        first_eval = self.evaluate(0) if self.evaluator is not None and not resume else None
         self.producer = None
         if cfg.pipeline.mode != "sync":  # the engines stream from here on
             from rl.pipeline import RolloutProducer
@@ -143,6 +159,8 @@ class Controller:
                                start)
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,
                           resume=(resume.step, resume.state["metrics"]) if resume else None)
+        if first_eval is not None:
+            self.log.log_step(first_eval)
         self.start_step = start
         self.record_timeline(start - 1)
 
@@ -303,6 +321,22 @@ class Controller:
         metrics["sync/policy_version"] = float(version)
         return metrics
 
+    @traced("eval")
+    def evaluate(self, step: int) -> dict:
+        """eval/* on the held-out prompts with the engines' current weights (rl.evaluate)."""
+        from rl.evaluate import console_line
+
+        if getattr(self.placement, "streaming", False):  # async: the last step is done
+            self.placement.stop_streams()
+        metrics = self.evaluator.run(self.engines, self.policy_version, step)
+        print(console_line(step, metrics), flush=True)
+        return {"step": step, **metrics}
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return self.evaluator is not None and (
+            step == self.cfg.trainer.total_steps or bool(every) and step % every == 0)
+
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         if self.producer is None:
@@ -429,6 +463,8 @@ class Controller:
             while step <= self.cfg.trainer.total_steps:
                 try:
                     metrics = self.step(step)
+                    if self.eval_due(step):
+                        metrics.update(self.evaluate(step))
                     # saved before the step's line is logged: a resume restores a line that a
                     # crash between the two left unwritten, and never writes one twice
                     metrics.update(self.checkpoint(step, metrics))

@@ -5,6 +5,7 @@ import copy
 import hashlib
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl import tasks
@@ -18,7 +19,21 @@ BUILTIN_DATA = {"arithmetic": (tasks.arithmetic_rows, tasks.TEMPLATE),
 
 
 def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
-    """Rows from data.train_path; a builtin: data set is generated and cached as jsonl first."""
+    """Rows from data.train_path; a builtin: or reasoning_gym: data set is generated and cached
+    as jsonl first."""
+    if cfg.train_path.startswith("reasoning_gym:"):
+        from rl.models import cache_root
+
+        name = cfg.train_path.removeprefix("reasoning_gym:")
+        key = hashlib.sha256(json.dumps([name, cfg.num_rows, seed, cfg.task_config,
+                                         cfg.answer_instruction], sort_keys=True, default=str)
+                             .encode()).hexdigest()[:12]
+        path = cache_root() / "data" / f"reasoning_gym-{name}-{key}.jsonl"
+        if not path.exists():
+            rows = tasks.reasoning_gym_rows(name, cfg.num_rows, seed, cfg.task_config,
+                                            cfg.answer_instruction)
+            tasks.write_rows(rows, path.with_suffix(".tmp.jsonl")).rename(path)
+        return tasks.read_rows(path)
     if cfg.train_path.startswith("builtin:"):
         from rl.models import cache_root
 
@@ -37,6 +52,52 @@ def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
             tmp.rename(path)
         return tasks.read_rows(path)
     return tasks.read_rows(Path(cfg.train_path))
+
+
+@dataclass
+class Rows:
+    """The data set: rows RL and the warm-up see, and held-out rows they never see."""
+    train: list[dict]
+    held_out: list[dict] = field(default_factory=list)
+    dropped: int = 0  # training rows dropped because their prompt text is held out
+
+
+def prompt_text(row: dict, key: str) -> str:
+    """A row's prompt as one string (chat messages as JSON): what the held-out split compares."""
+    prompt = row.get(key)
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def split_rows(rows: list[dict], cfg: DataConfig, held_out: list[dict] | None = None) -> Rows:
+    """Hold out by distinct prompt text, never by row: a text is either held out (with every
+    row that has it) or trained on. With `held_out` rows (data.eval_path), training rows whose
+    text they have are dropped; with data.eval_fraction, that fraction of the distinct texts is
+    held out, picked by a hash of the text (the same set whatever the seed or row order)."""
+    key = cfg.prompt_key
+    if held_out is None and not cfg.eval_fraction:
+        return Rows(rows)
+    if held_out is None:
+        texts = sorted({prompt_text(r, key) for r in rows},
+                       key=lambda t: hashlib.sha256(t.encode()).digest())
+        count = round(cfg.eval_fraction * len(texts))
+        if count < 1 or count == len(texts):
+            raise ValueError(f"data.eval_fraction={cfg.eval_fraction} of {len(texts)} distinct "
+                             f"prompts in '{cfg.train_path}' holds out {count}; pick a fraction "
+                             f"that leaves prompts on both sides")
+        chosen = set(texts[:count])
+        held_out = [r for r in rows if prompt_text(r, key) in chosen]
+    else:
+        chosen = {prompt_text(r, key) for r in held_out}
+    # each held-out prompt is evaluated once, however many rows repeat it
+    unique: dict[str, dict] = {}
+    for r in held_out:
+        unique.setdefault(prompt_text(r, key), r)
+    held_out = list(unique.values())
+    train = [r for r in rows if prompt_text(r, key) not in chosen]
+    if not train:
+        raise ValueError(f"every prompt of '{cfg.train_path}' is in the held-out set "
+                         f"'{cfg.eval_path}'; give a held-out file with other prompts")
+    return Rows(train, held_out, len(rows) - len(train) if cfg.eval_path else 0)
 
 
 def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int) -> list[int]:

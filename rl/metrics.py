@@ -32,7 +32,7 @@ class RunLog:
             self.history = keep_lines(self.metrics_path, step)
             keep_lines(self.rollouts_path, step)
             if self.progress.bar is not None:
-                self.progress.bar.update(len(self.history))
+                self.progress.bar.update(sum('reward/mean' in h for h in self.history))
             if not self.history or self.history[-1]["step"] < step:
                 self.log_step(line)
 
@@ -45,6 +45,8 @@ class RunLog:
             f.write(json.dumps(clean) + "\n")
         for logger in self.loggers:
             logger.log(clean, clean["step"])
+        if "reward/mean" not in clean:  # the held-out evaluation before step 1: no step ran
+            return
         self.progress.update(clean["step"], self.console_line(clean),
                              {"reward": f"{clean['reward/mean']:.3f}",
                               "s/step": f"{clean['time/step']:.2f}",
@@ -58,7 +60,8 @@ class RunLog:
 
     def eta_seconds(self, m: dict) -> float:
         # the first step pays engine warm-up: estimate from the later ones when there are some
-        recent = [h["time/step"] for h in self.history[1:][-20:]] or [m["time/step"]]
+        steps = [h["time/step"] for h in self.history if "time/step" in h]
+        recent = steps[1:][-20:] or [m["time/step"]]
         return sum(recent) / len(recent) * (self.total_steps - m["step"])
 
     def console_line(self, m: dict) -> str:
@@ -84,7 +87,8 @@ class RunLog:
     def plot(self) -> Path | None:
         """metrics.png: reward (raw and smoothed), held-out evaluation when there is one, KL,
         response length and the step time split into its phases, against step."""
-        if not self.history:
+        history = [m for m in self.history if "reward/mean" in m]  # RL steps, not step 0
+        if not history:
             return None
         import matplotlib
 
@@ -92,10 +96,10 @@ class RunLog:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
 
-        steps = [m["step"] for m in self.history]
+        steps = [m["step"] for m in history]
 
         def series(key):
-            return [m.get(key, math.nan) for m in self.history]
+            return [m.get(key, math.nan) for m in history]
 
         panels = [("reward", self._plot_reward)]
         evals = sorted({k for m in self.history for k in m if k.startswith("eval/")})
@@ -105,7 +109,7 @@ class RunLog:
                         label=k.removeprefix("eval/")) for k in evals]))
         for key, title in (("kl/mean", "KL to the reference"),
                            ("response/length_mean", "response length (tokens)")):
-            if key in self.history[0]:
+            if key in history[0]:
                 panels.append((title, lambda ax, key=key: ax.plot(steps, series(key))))
         panels.append(("step time (s)", lambda ax: ax.stackplot(
             steps, *[series(k) for k in PHASES],
@@ -132,8 +136,9 @@ class RunLog:
         return out
 
     def _plot_reward(self, ax) -> None:
-        steps = [m["step"] for m in self.history]
-        raw = [m["reward/mean"] for m in self.history]
+        history = [m for m in self.history if "reward/mean" in m]
+        steps = [m["step"] for m in history]
+        raw = [m["reward/mean"] for m in history]
         ax.plot(steps, raw, color="tab:blue", alpha=0.3, linewidth=1, label="per step")
         ax.plot(steps, smooth(raw), color="tab:blue", linewidth=2, label="smoothed")
 

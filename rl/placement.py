@@ -208,6 +208,14 @@ class Disaggregated(Placement):
         ray.get([e.start_stream.remote(interruptible) for e in self.engines])
         self.streaming = True
 
+    def stop_streams(self) -> None:
+        """Back to blocking generation (the final evaluation): the loops end, in-flight
+        sequences are dropped."""
+        import ray
+
+        ray.get([e.stop_stream.remote() for e in self.engines])
+        self.streaming = False
+
     def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
         """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
         Streaming, the engines pause to receive and resume only once their probe agrees (a

@@ -65,24 +65,29 @@ def check_ray_address(cfg: Config, timeout_s: float = 3.0) -> None:
                           f"start the cluster (ray start --head) or fix the address") from None
 
 
-def check_rows(cfg: Config, rows: list[dict]) -> None:
+def check_rows(cfg: Config, rows: list[dict], where: str = "train_path") -> None:
     key = cfg.data.prompt_key
     for i, row in enumerate(rows):
         if key not in row or row[key] is None:
-            raise ConfigError(f"data.train_path={cfg.data.train_path!r}: row {i} has no field "
+            raise ConfigError(f"data.{where}={getattr(cfg.data, where)!r}: row {i} has no field "
                               f"{key!r} (data.prompt_key); its fields: {', '.join(row)}; set "
                               f"data.prompt_key or fix the row")
 
 
-def preflight(cfg: Config) -> list[dict]:
-    """Every up-front check; returns the data set's rows (through the rewards' start checks)."""
+def preflight(cfg: Config):
+    """Every up-front check; returns the data set (rl.data.Rows: training and held-out rows,
+    through the rewards' start checks)."""
+    from rl.data import resolve_rows
     from rl.rewarding import checked_rows
+    from rl.tasks import read_rows
 
     try:  # the data first: these checks import nothing heavy
+        check_rows(cfg, resolve_rows(cfg.data, cfg.run.seed))  # before the split reads prompts
+        if cfg.data.eval_path and Path(cfg.data.eval_path).exists():
+            check_rows(cfg, read_rows(cfg.data.eval_path), "eval_path")
         rows = checked_rows(cfg)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    check_rows(cfg, rows)
     check_model_path(cfg)
     check_ray_address(cfg)
     check_names(cfg)  # imports torch (the registries live beside the math)

@@ -40,14 +40,25 @@ def check_reward_terms(cfg: RewardConfig, rows: list[dict]) -> None:
             raise ConfigError(f"reward '{term.name}': {e}") from None
 
 
-def checked_rows(cfg) -> list[dict]:
-    """The data set's rows (a Config's data section), through every reward term's start check:
-    before torch, Ray or an engine starts, so a bad data set fails in seconds."""
-    from rl.data import resolve_rows
+def checked_rows(cfg):
+    """The data set (a Config's data section) as rl.data.Rows, training and held-out rows
+    through every reward term's start check: before torch, Ray or an engine starts, so a bad
+    data set fails in seconds."""
+    from rl.data import resolve_rows, split_rows
+    from rl.tasks import read_rows
+
+    from pathlib import Path
 
     rows = resolve_rows(cfg.data, cfg.run.seed)
-    check_reward_terms(cfg.reward, rows)
-    return rows
+    held_out = None
+    if cfg.data.eval_path:
+        if not Path(cfg.data.eval_path).exists():
+            raise FileNotFoundError(f"data.eval_path '{cfg.data.eval_path}' does not exist; give "
+                                    f"the held-out file or use data.eval_fraction")
+        held_out = read_rows(cfg.data.eval_path)
+    split = split_rows(rows, cfg.data, held_out)
+    check_reward_terms(cfg.reward, split.train + split.held_out)
+    return split
 
 
 class RewardScorer:

@@ -64,6 +64,34 @@ def extraction_rows(num_rows: int, max_operand: int, seed: int) -> list[dict]:
     return rows
 
 
+REASONING_GYM_INSTALL = "pip install -e '.[tasks]' (reasoning-gym==0.1.25)"
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int, config: dict,
+                       instruction: str = "") -> list[dict]:
+    """`size` problems of a reasoning-gym task (procedural, with its own verifier): rows
+    {"prompt": question [+ instruction], "answer", "reasoning_gym": {task, entry}}; the entry
+    (question, answer, metadata) is what the task's score_answer needs."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(f"data.train_path 'reasoning_gym:{task}' needs the reasoning-gym "
+                         f"package: {REASONING_GYM_INSTALL}") from None
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
+    except Exception as e:  # an unknown task or setting: its own message, one line
+        raise ValueError(f"data.train_path 'reasoning_gym:{task}' with data.task_config="
+                         f"{config}: {str(e).splitlines()[0]}; check the task name and its "
+                         f"settings") from None
+    rows = []
+    for entry in dataset:
+        entry = json.loads(json.dumps(entry, default=str))  # what jsonl keeps
+        question = entry["question"] + (f" {instruction}" if instruction else "")
+        rows.append({"prompt": question, "answer": str(entry["answer"]),
+                     "reasoning_gym": {"task": task, "entry": entry}})
+    return rows
+
+
 def corpus() -> list[str]:
     """Text that a tokenizer for this task must cover (the template and every number it uses)."""
     lines = [TEMPLATE.format(a=a, op=op, b=b) for a in range(0, 100, 7) for b in range(0, 100, 3)

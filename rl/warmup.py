@@ -28,10 +28,11 @@ def warmup_dir(model_path: str, cfg: Config) -> Path:
     return cache_root() / "warmup" / f"{Path(model_path).name}-{key}"
 
 
-def sft_target(answer: str, noise: float, rng: random.Random) -> str:
+def sft_target(answer: str, noise: float, rng: random.Random,
+               offsets: tuple[int, ...] = (-3, -2, -1, 1, 2, 3)) -> str:
     if noise > 0 and rng.random() < noise:
         try:
-            return str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+            return str(int(answer) + rng.choice(list(offsets)))
         except ValueError:  # not an integer answer: keep it
             return answer
     return answer
@@ -66,7 +67,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
             row = prompts.rows[i]
             if "answer" not in row:
                 raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
-            answer = sft_target(str(row["answer"]), w.answer_noise, rng)
+            answer = sft_target(str(row["answer"]), w.answer_noise, rng, w.noise_offsets)
             target = w.target_template.format(**{**row, "answer": answer})
             response = tokenizer.encode(target, add_special_tokens=False) + [eos]
             samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))

@@ -343,11 +343,12 @@ class RolloutRole(Role):
     @traced("generate")
     def generate(self, prompts: list[list[int]], seeds: list[int],
                  constraints: list[dict | None] | None = None, n: int | None = None,
-                 version: int | None = None) -> dict:
+                 version: int | None = None, greedy: bool = False) -> dict:
         """{"groups": completions per prompt (as dicts), "stats": engine counters since last,
         "policy_version": the version that generated them}; checks `version` first."""
         self.check_version(version)
-        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n)
+        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n,
+                                   greedy=greedy)
         return {"groups": [[asdict(c) for c in group] for group in out],
                 "stats": self.engine.take_stats(), "policy_version": self.policy_version}
 
@@ -363,7 +364,11 @@ class RolloutRole(Role):
         self.interruptible = interruptible
 
     def stop_stream(self) -> None:
+        """End the generation loop, leaving no request in the engine (sequences in flight are
+        cut and dropped), so that blocking `generate` calls (evaluation) can use it again."""
         if self.stream is not None:
+            if self.stream.error is None:
+                self.stream.pause(interrupt=True)
             self.stream.stop()
             self.stream = None
 

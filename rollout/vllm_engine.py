@@ -158,23 +158,26 @@ class VLLMEngine:
         core = self.llm.llm_engine.engine_core
         return core.engine_core.model_executor.driver_worker.worker
 
-    def sampling_params(self, seed: int | None, constraint: dict | None, n: int | None = None):
+    def sampling_params(self, seed: int | None, constraint: dict | None, n: int | None = None,
+                        greedy: bool = False):
         """The recipe's sampling controls, a per-request seed, and an optional output
-        constraint ({"json": schema} | {"regex": r} | {"choice": [...]})."""
+        constraint ({"json": schema} | {"regex": r} | {"choice": [...]}); greedy: the most
+        likely token at every step (temperature 0, no truncation), as evaluation decodes."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
         c = self.cfg
         return SamplingParams(
-            n=c.n if n is None else n, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            min_p=c.min_p, max_tokens=c.max_new_tokens, stop=list(c.stop) or None,
+            n=c.n if n is None else n, temperature=0.0 if greedy else c.temperature,
+            top_p=1.0 if greedy else c.top_p, top_k=0 if greedy else c.top_k,
+            min_p=0.0 if greedy else c.min_p, max_tokens=c.max_new_tokens, stop=list(c.stop) or None,
             stop_token_ids=list(c.stop_token_ids) or None, logprobs=0, seed=seed,
             detokenize=True,
             structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None = None,
-                 constraints: list[dict | None] | None = None, n: int | None = None
-                 ) -> list[list[Completion]]:
+                 constraints: list[dict | None] | None = None, n: int | None = None,
+                 greedy: bool = False) -> list[list[Completion]]:
         """n (default cfg.n) samples for each prompt (token ids); one list per prompt.
 
         seeds[i] makes prompt i's samples reproducible (vLLM gives sample j the seed seeds[i] + j);
@@ -184,7 +187,7 @@ class VLLMEngine:
 
         seeds = seeds if seeds is not None else [None] * len(prompts)
         constraints = constraints if constraints is not None else [None] * len(prompts)
-        params = [self.sampling_params(s, c, n) for s, c in zip(seeds, constraints)]
+        params = [self.sampling_params(s, c, n, greedy) for s, c in zip(seeds, constraints)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  use_tqdm=False)
         groups = [[_completion(c) for c in out.outputs] for out in outs]

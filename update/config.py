@@ -40,6 +40,15 @@ class TrainerConfig:
     max_restarts: int = 0
     ("When an actor dies (killed, out of memory): restart the placement from the latest "
      "checkpoint up to N times; 0 stops the run with the command that resumes it.")
+    eval_every: int = 0
+    ("Held-out evaluation (data.eval_path or data.eval_fraction) every N RL steps; with a "
+     "held-out set the run always evaluates before step 1 and after the last; 0: only those two.")
+    eval_k: int = 8
+    ("Held-out evaluation: samples per prompt at rollout.temperature for pass@k (besides the "
+     "greedy one); 0: greedy only.")
+    eval_threshold: float = 1.0
+    ("Held-out evaluation: a response counts as correct when its reward reaches this (1.0: a "
+     "verifier's full marks, e.g. exact_answer).")
 
 
 @dataclass

@@ -35,6 +35,10 @@ def test_recipe_runs_two_steps(recipe, ray_session, cache, tmp_path):
     cfg = load_config(str(ROOT / "recipes" / recipe), SMALL + [f"run.output_dir={tmp_path}"])
     run_dir = Controller(cfg).run()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if cfg.data.eval_fraction or cfg.data.eval_path:  # the base model's and the last evaluation
+        assert lines[0]["step"] == 0 and "eval/greedy_accuracy" in lines[0]
+        assert "eval/greedy_accuracy" in lines[-1]
+        lines = lines[1:]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         bad = {k: v for k, v in m.items() if not math.isfinite(v)}

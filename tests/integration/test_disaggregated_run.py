@@ -47,6 +47,13 @@ def lines(run_dir, name):
 def test_metrics_match_the_colocated_run(runs):
     colocated, disaggregated = (lines(runs[p], "metrics.jsonl")
                                 for p in ("colocated", "disaggregated"))
+    # the held-out evaluations (the base model's in a line of its own, then after the last
+    # step) agree too: the same prompts, seeds and engines
+    evals = [k for k in colocated[0] if k.startswith("eval/")]
+    assert len(evals) == 5 and colocated[0]["step"] == disaggregated[0]["step"] == 0
+    for a, b in ((colocated[0], disaggregated[0]), (colocated[-1], disaggregated[-1])):
+        assert {k: a[k] for k in evals} == {k: b[k] for k in evals}
+    colocated, disaggregated = colocated[1:], disaggregated[1:]
     assert len(colocated) == len(disaggregated) == 3
     for a, b in zip(colocated, disaggregated):
         for key in COMPARED:

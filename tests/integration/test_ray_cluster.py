@@ -186,6 +186,7 @@ def submit(nodes: TwoNodes, job_id: str, out_dir: Path, *overrides: str) -> None
     cmd = ["--submission-id", job_id, "--working-dir", ".", "--no-wait", "--",
            "rl-train", "recipes/quickstart_disaggregated.yaml", "ray.address=auto",
            f"run.output_dir={out_dir}", "run.name=cluster", "warmup.sft_steps=0",
+           "data.eval_fraction=0", "trainer.eval_every=0",  # the cluster test is about syncs
            "ray.num_workers=1", "ray.num_rollout_workers=1",
            "ray.trainer_resources={trainer_node: 1}", "ray.rollout_resources={rollout_node: 1}",
            "rollout.prompts_per_step=4", "rollout.n=4", "trainer.micro_batch_size=16",

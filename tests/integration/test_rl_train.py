@@ -1,5 +1,6 @@
-"""A real `rl-train` run: 2-rank ZeRO-3 + vLLM colocated on Ray, warm-up, KL, checkpoints, and
-what it leaves: metrics in jsonl, TensorBoard and offline W&B, timeline.json, the plot."""
+"""A real `rl-train` run: 2-rank ZeRO-3 + vLLM colocated on Ray, warm-up, KL, checkpoints,
+held-out evaluation, and what it leaves: metrics in jsonl, TensorBoard and offline W&B,
+timeline.json, the plot; `rl-eval` of its base model."""
 import json
 import os
 import subprocess
@@ -23,7 +24,11 @@ def finished_run(tmp_path_factory):
            "trainer.checkpoint_every=2", "warmup.sft_steps=4", "rollout.prompts_per_step=8",
            "rollout.n=4", "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01",
            # the two-pass path, so that the timeline has prepare spans too
-           "algorithm.old_logprobs=pass", "run.loggers=[jsonl,tensorboard,wandb]"]
+           "algorithm.old_logprobs=pass", "run.loggers=[jsonl,tensorboard,wandb]",
+           # held-out evaluation before step 1, after step 2 and after the last; every
+           # trained completion logged, to check none is of a held-out prompt
+           "data.eval_fraction=0.1", "trainer.eval_every=2", "trainer.eval_k=2",
+           "run.log_samples=-1"]
     env.pop("WANDB_API_KEY", None)
     env.pop("WANDB_MODE", None)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -31,10 +36,17 @@ def finished_run(tmp_path_factory):
     return tmp / "it", out.stdout
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_metrics_have_every_key_and_finite_values(finished_run):
     run_dir, _ = finished_run
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2, 3]
+    lines = read_metrics(run_dir)
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]  # step 0: the base model's evaluation
+    assert "eval/greedy_accuracy" in lines[0] and "reward/mean" not in lines[0]
+    assert ["eval/pass@2" in m for m in lines] == [True, False, True, True]
+    lines = lines[1:]
     for m in lines:
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing
@@ -99,7 +111,7 @@ def test_tensorboard_and_wandb_hold_every_step(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir, _ = finished_run
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run_dir)[1:]
     want = [(m["step"], m["reward/mean"]) for m in lines]
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
@@ -138,3 +150,29 @@ def test_timeline_has_a_track_per_actor_and_the_step_phases(finished_run):
     worker = next(e for e in spans if e["name"] == "update" and e["args"]["step"] == 2
                   and tracks[e["pid"]].startswith("worker 0"))
     assert driver["ts"] <= worker["ts"] and worker["ts"] + worker["dur"] <= driver["ts"] + driver["dur"]
+
+
+def test_no_held_out_prompt_is_trained_on(finished_run):
+    run_dir, _ = finished_run
+    held = [json.loads(x)["prompt"] for x in (run_dir / "eval" / "step_0.jsonl").open()]
+    trained = {json.loads(x)["prompt"] for x in (run_dir / "rollouts.jsonl").open()}
+    assert len(held) == len(set(held)) > 10 and len(trained) > 10
+    assert not trained & set(held)
+    assert sorted((run_dir / "eval").iterdir()) == [run_dir / "eval" / f"step_{n}.jsonl"
+                                                    for n in (0, 2, 3)]
+
+
+def test_rl_eval_of_the_base_model_reproduces_the_step_0_evaluation(finished_run, tmp_path):
+    run_dir, stdout = finished_run
+    base = stdout.split("warm-up: saved the base model to ")[1].split()[0]
+    rl_eval = Path(sys.executable).parent / "rl-eval"  # the installed entry point
+    out = subprocess.run([str(rl_eval), str(run_dir / "config.yaml"), base, "--output",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, RL_CACHE_DIR=str(run_dir.parent / "cache")))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    got = json.loads((tmp_path / "eval.json").read_text())
+    step0 = read_metrics(run_dir)[0]
+    keys = sorted(k for k in step0 if k.startswith("eval/"))
+    assert keys == sorted(k for k in got if k.startswith("eval/")) and len(keys) == 5
+    assert {k: got[k] for k in keys} == {k: step0[k] for k in keys}
+    assert (tmp_path / "step_0.jsonl").read_text() == (run_dir / "eval" / "step_0.jsonl").read_text()

@@ -86,6 +86,16 @@ CONFIG_CASES = {
                                   "pipeline.max_staleness=-1"], ["pipeline.max_staleness"]),
     "unknown off-policy correction": (["algorithm.loss.correction=is"],
                                       ["algorithm.loss.correction", "decoupled"]),
+    "held-out fraction out of range": (["data.eval_fraction=1.5"], ["data.eval_fraction", "[0, 1)"]),
+    "periodic evaluation without a held-out set": (
+        ["data.eval_fraction=0", "trainer.eval_every=10"],
+        ["trainer.eval_every", "data.eval_fraction"]),
+    "missing held-out file": (["data.eval_fraction=0", "data.eval_path=/nonexistent/held.jsonl"],
+                              ["data.eval_path", "/nonexistent/held.jsonl"]),
+    "periodic evaluation with an async pipeline": (
+        ["placement=disaggregated", "pipeline.mode=one_step", "data.eval_fraction=0.1",
+         "trainer.eval_every=10"],
+        ["trainer.eval_every", "trainer.eval_every=0"]),
 }
 
 

@@ -63,3 +63,50 @@ def test_a_forked_order_does_not_shift_the_main_order(tok):
     fork.next_batch(7)  # the warm-up draws from its own order (or is cached and draws none)
     assert main.next_batch(12) == reference.next_batch(12)
     assert fork.prompt_ids is main.prompt_ids  # shares the prompts, not copies them
+
+
+def test_held_out_split_is_by_prompt_text_not_by_row(tmp_path, monkeypatch):
+    """builtin:arithmetic repeats prompts (4000 rows of 2 * 16 * 16 = 512 problems): a split by
+    row index would put rows of the same problem on both sides."""
+    from rl.data import prompt_text, split_rows
+
+    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
+    cfg = DataConfig(max_operand=15, eval_fraction=0.1)
+    rows = resolve_rows(cfg, 0)
+    split = split_rows(rows, cfg)
+    train = {r["prompt"] for r in split.train}
+    held = [r["prompt"] for r in split.held_out]
+    assert len(held) == len(set(held)) == round(0.1 * len({r["prompt"] for r in rows}))
+    assert not train & set(held)
+    assert len(split.train) + sum(
+        sum(prompt_text(r, "prompt") == h for r in rows) for h in held) == len(rows)
+    # the held-out texts do not depend on the rows' order or the seed
+    again = split_rows(list(reversed(rows)), cfg)
+    assert sorted(r["prompt"] for r in again.held_out) == sorted(held)
+
+
+def test_held_out_file_drops_training_rows_with_its_prompts():
+    from rl.data import split_rows
+
+    rows = [{"prompt": p, "answer": "1"} for p in ["a", "b", "a", "c", "d"]]
+    held = [{"prompt": "a", "answer": "1"}, {"prompt": "z", "answer": "2"},
+            {"prompt": "a", "answer": "1"}]
+    split = split_rows(rows, DataConfig(eval_path="held.jsonl"), held)
+    assert [r["prompt"] for r in split.train] == ["b", "c", "d"] and split.dropped == 2
+    assert [r["prompt"] for r in split.held_out] == ["a", "z"]  # each prompt once
+    with pytest.raises(ValueError, match="holds out 0"):
+        split_rows(rows, DataConfig(eval_fraction=0.01))
+
+
+def test_warmup_sees_no_held_out_prompt(tok, tmp_path, monkeypatch):
+    """The warm-up draws its SFT rows from the training PromptSet: none is held out."""
+    from rl.data import split_rows
+
+    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
+    cfg = DataConfig(max_operand=15, eval_fraction=0.2)
+    split = split_rows(resolve_rows(cfg, 0), cfg)
+    prompts = PromptSet(split.train, tok, cfg, 0)
+    warm = prompts.with_order(1)
+    seen = {warm.rows[i]["prompt"] for i in warm.next_batch(5000)}
+    assert seen == {r["prompt"] for r in split.train}
+    assert not seen & {r["prompt"] for r in split.held_out}

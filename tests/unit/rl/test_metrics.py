@@ -15,6 +15,7 @@ def test_plot_has_reward_eval_kl_length_and_time_panels(tmp_path):
     import matplotlib.image
 
     log = RunLog(tmp_path, total_steps=4)
+    log.log_step({"step": 0, "eval/accuracy": 0.1, "time/eval": 2.0})  # the base model's
     for step in range(1, 5):
         m = {"step": step, "reward/mean": 0.1 * step, "reward/std": 0.1, "kl/mean": 0.01,
              "response/length_mean": 7.0, "time/rollout": 0.1, "time/reward": 0.01,
@@ -24,6 +25,8 @@ def test_plot_has_reward_eval_kl_length_and_time_panels(tmp_path):
             m["eval/accuracy"] = 0.2 * step
         log.log_step(m)
     log.close()
+    assert [m["step"] for m in log.history] == [0, 1, 2, 3, 4]
+    assert log.eta_seconds(log.history[-1]) == 0.0
     path = log.plot()
     assert log.plot_panels == ["reward", "held-out evaluation", "KL to the reference",
                                "response length (tokens)", "step time (s)"]
