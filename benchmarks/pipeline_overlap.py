@@ -42,7 +42,10 @@ def run(name: str, recipe: str, overrides: list[str], args) -> list[dict]:
     """rl-train in a fresh process; the metrics of its timed steps."""
     cmd = [sys.executable, "-m", "rl.cli", recipe, f"trainer.total_steps={args.skip + args.steps}",
            "warmup.sft_steps=0", f"rollout.max_new_tokens={args.max_new_tokens}",
-           f"run.output_dir={OUT}", f"run.name={name}", "run.timeline_steps=0", *overrides]
+           f"run.output_dir={OUT}", f"run.name={name}", "run.timeline_steps=0",
+           # no held-out evaluation: the async modes could not evaluate every N steps, and
+           # the work stays the one measured before the quickstart held prompts out
+           "data.eval_fraction=0", "trainer.eval_every=0", *overrides]
     print(f"[{name}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     env = dict(os.environ, RL_CACHE_DIR=str(OUT / "cache"))
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

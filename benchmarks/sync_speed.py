@@ -94,7 +94,8 @@ def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
         f"run.name=bench-{kind}", "ray.num_cpus_per_worker=0.5",
         "ray.num_cpus_per_rollout_worker=0.5"])
     run_dir = Controller(cfg).run()
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in lines if "time/step" in m][1:]  # RL steps (not the step-0 evaluation)
     keys = ["time/rollout", "time/reward", "time/update", "time/sync", "time/step"]
     return {"placement": kind, **{k: statistics.mean(m[k] for m in lines) for k in keys}}
 

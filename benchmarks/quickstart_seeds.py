@@ -1,0 +1,111 @@
+"""The quickstart on several seeds, as a new user runs it: its figures and its curves in one picture.
+
+    .venv/bin/python benchmarks/quickstart_seeds.py                    # seeds 0,1,2, fresh caches
+    .venv/bin/python benchmarks/quickstart_seeds.py --runs DIR DIR DIR  # figures of finished runs
+
+Each seed runs `rl-train recipes/quickstart.yaml run.seed=S` in a fresh process with an empty
+cache (so the model build and the warm-up are timed too), one seed after the other. Printed per
+seed: held-out greedy accuracy before step 1 and after the last, the last-10-step reward/mean,
+the wall time; written: docs/quickstart_seeds.png (reward/mean, smoothed, and held-out greedy
+accuracy against step, one colour per seed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PICTURE = ROOT / "docs" / "quickstart_seeds.png"
+
+
+def run_seed(seed: int, out: Path) -> tuple[Path, float]:
+    cache = out / f"cache_s{seed}"
+    subprocess.run(["rm", "-rf", str(cache)], check=True)
+    exe = Path(sys.executable).with_name("rl-train")
+    t0 = time.perf_counter()
+    subprocess.run([str(exe), "recipes/quickstart.yaml", f"run.seed={seed}",
+                    f"run.output_dir={out}", f"run.name=seed{seed}"], check=True, cwd=ROOT,
+                   env=dict(os.environ, RL_CACHE_DIR=str(cache)), stdout=sys.stderr)
+    return out / f"seed{seed}", time.perf_counter() - t0
+
+
+def figures(run_dir: Path) -> dict:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "reward/mean" in m]
+    evals = [m for m in lines if "eval/greedy_accuracy" in m]
+    return {"seed": _seed(run_dir), "steps": len(steps),
+            "eval_first": evals[0]["eval/greedy_accuracy"],
+            "eval_last": evals[-1]["eval/greedy_accuracy"],
+            "reward_last10": sum(m["reward/mean"] for m in steps[-10:]) / 10,
+            "reward_step1": steps[0]["reward/mean"], "lines": lines}
+
+
+def _seed(run_dir: Path) -> int:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"]
+
+
+def plot(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT))
+    from rl.metrics import smooth
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r, color in zip(results, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        steps = [m for m in r["lines"] if "reward/mean" in m]
+        left.plot([m["step"] for m in steps], smooth([m["reward/mean"] for m in steps]),
+                  color=color, label=f"seed {r['seed']}")
+        evals = [m for m in r["lines"] if "eval/greedy_accuracy" in m]
+        right.plot([m["step"] for m in evals], [m["eval/greedy_accuracy"] for m in evals],
+                   color=color, marker="o", markersize=3, label=f"seed {r['seed']}")
+    left.set_title("reward/mean (training prompts, sampled; smoothed)")
+    right.set_title("held-out greedy accuracy")
+    for ax in (left, right):
+        ax.axhline(0.8, color="gray", linestyle=":", linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    PICTURE.parent.mkdir(exist_ok=True)
+    fig.savefig(PICTURE, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--runs", nargs="*", help="finished run directories: only figures and plot")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "quickstart_seeds"))
+    args = p.parse_args()
+    walls: dict = {}
+    if args.runs:
+        runs = [Path(r) for r in args.runs]
+    else:
+        runs = []
+        for seed in map(int, args.seeds.split(",")):
+            run_dir, walls[seed] = run_seed(seed, Path(args.out))
+            runs.append(run_dir)
+    results = [figures(r) for r in runs]
+    print("| seed | held-out greedy acc., step 0 | at the end | reward/mean step 1 | "
+          "last 10 steps | wall time |\n| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        wall = f"{walls[r['seed']]:.0f} s" if r["seed"] in walls else "-"
+        print(f"| {r['seed']} | {r['eval_first']:.3f} | {r['eval_last']:.3f} | "
+              f"{r['reward_step1']:.3f} | {r['reward_last10']:.3f} | {wall} |")
+    plot(results)
+    print(f"\nwrote {PICTURE}")
+
+
+if __name__ == "__main__":
+    main()
