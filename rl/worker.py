@@ -380,9 +380,10 @@ class RolloutRole(Role):
         """{"groups": groups finished since the last call (each token with its version),
         "stats": engine counters, "times": seconds idle or paused and sequences cut since the
         last call (rollout.stream.GenerationLoop.take_times)}."""
-        groups = self.stream.collect(timeout_s)
+        stream = self.stream  # a call in flight when the run stops the loop still returns
+        groups = stream.collect(timeout_s)
         return {"groups": groups, "stats": self.engine.take_stats(),
-                "times": self.stream.take_times()}
+                "times": stream.take_times()}
 
     def stream_status(self) -> dict:
         """{"steps": scheduler steps run, "paused": bool}, taking nothing (for tests)."""

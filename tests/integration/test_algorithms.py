@@ -32,7 +32,10 @@ def cache(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps(recipe, ray_session, cache, tmp_path):
-    cfg = load_config(str(ROOT / "recipes" / recipe), SMALL + [f"run.output_dir={tmp_path}"])
+    # fully async, the last step stops the streaming engines for the final evaluation
+    held_out = ["data.eval_fraction=0.2", "trainer.eval_k=2"] if "fully_async" in recipe else []
+    cfg = load_config(str(ROOT / "recipes" / recipe),
+                      SMALL + held_out + [f"run.output_dir={tmp_path}"])
     run_dir = Controller(cfg).run()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if cfg.data.eval_fraction or cfg.data.eval_path:  # the base model's and the last evaluation
