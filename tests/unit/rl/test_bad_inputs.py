@@ -199,5 +199,7 @@ def test_tokenizer_without_chat_template(capsys, tmp_path, tiny_model):
 def test_prompt_of_the_wrong_type(capsys, data, tmp_path, tiny_model):
     path = data("rows.jsonl", json.dumps({"prompt": 42, "answer": "2"}) + "\n")
     refuse(capsys, [QUICK, f"model.path={tiny_model}", f"data.train_path={path}",
-                    "warmup.sft_steps=0", f"run.output_dir={tmp_path / 'runs'}"],
+                    "warmup.sft_steps=0", f"run.output_dir={tmp_path / 'runs'}",
+                    # one row: nothing to hold out
+                    "data.eval_fraction=0", "trainer.eval_every=0"],
            "row 0", "must be a string or a list")
