@@ -50,11 +50,11 @@ def run_trl(seed: int, steps: int, out: Path) -> list[float]:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rewards.builtin import exact_answer
     from rl.config import load_config
     from rl.models import resolve_model_path
     from rl.rewarding import checked_rows
     from rl.warmup import warmup_dir
+    from vs_trl import trl_exact_answer  # benchmarks/, beside this file
 
     cfg = load_config(str(RECIPE), overrides(seed, steps, out))
     base = warmup_dir(resolve_model_path(cfg.model.path, seed), cfg)
@@ -65,10 +65,6 @@ def run_trl(seed: int, steps: int, out: Path) -> list[float]:
     rows = checked_rows(cfg).train  # the held-out prompts stay out, as in rl-train
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                "answer": r["answer"]} for r in rows])
-
-    def reward(completions, answer, **_):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [exact_answer("", t, a) for t, a in zip(texts, answer)]
 
     rewards: list[float] = []
 
@@ -87,7 +83,7 @@ def run_trl(seed: int, steps: int, out: Path) -> list[float]:
         lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, logging_steps=1,
         report_to="none", save_strategy="no", gradient_checkpointing=False, use_cpu=True,
         seed=seed, disable_tqdm=True, dataloader_num_workers=0)
-    GRPOTrainer(model=str(base), reward_funcs=reward, args=args, train_dataset=data,
+    GRPOTrainer(model=str(base), reward_funcs=trl_exact_answer, args=args, train_dataset=data,
                 processing_class=tok, callbacks=[Rewards()]).train()
     return rewards
 

@@ -119,13 +119,19 @@ def run_rl_train(preset: dict, dtype: str, out: dict) -> None:
                      "gen_tokens_per_s": m["rollout/tokens_per_s"]} for m in timed]
 
 
+def trl_exact_answer(completions, answer, **_) -> list[float]:
+    """Our exact_answer reward in TRL's reward-function form (chat or plain completions)."""
+    from rewards.builtin import exact_answer
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [exact_answer("", t, a) for t, a in zip(texts, answer)]
+
+
 def run_trl(preset: dict, dtype: str, out: dict) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from rewards.builtin import exact_answer
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = base_model(preset, dtype)
@@ -133,10 +139,6 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
     rows = prompt_rows(preset)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                "answer": r["answer"]} for r in rows])
-
-    def reward(completions, answer, **_):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [exact_answer("", t, a) for t, a in zip(texts, answer)]
 
     phases: list[dict] = []
 
@@ -165,7 +167,7 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
         save_strategy="no", gradient_checkpointing=False, bf16=dtype == "bfloat16",
         use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,
         dataloader_num_workers=0)
-    trainer = Timed(model=path, reward_funcs=reward, args=args, train_dataset=data,
+    trainer = Timed(model=path, reward_funcs=trl_exact_answer, args=args, train_dataset=data,
                     processing_class=tok, callbacks=[StepTimes()])
     trainer.train()
     out["steps"] = phases[preset["skip"]:]

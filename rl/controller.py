@@ -326,7 +326,7 @@ class Controller:
         """eval/* on the held-out prompts with the engines' current weights (rl.evaluate)."""
         from rl.evaluate import console_line
 
-        if getattr(self.placement, "streaming", False):  # async: the last step is done
+        if self.placement.streaming:  # async: the last step is done
             self.placement.stop_streams()
         metrics = self.evaluator.run(self.engines, self.policy_version, step)
         print(console_line(step, metrics), flush=True)

@@ -76,16 +76,16 @@ def split_rows(rows: list[dict], cfg: DataConfig, held_out: list[dict] | None = 
     key = cfg.prompt_key
     if held_out is None and not cfg.eval_fraction:
         return Rows(rows)
+    row_texts = [prompt_text(r, key) for r in rows]
     if held_out is None:
-        texts = sorted({prompt_text(r, key) for r in rows},
-                       key=lambda t: hashlib.sha256(t.encode()).digest())
+        texts = sorted(set(row_texts), key=lambda t: hashlib.sha256(t.encode()).digest())
         count = round(cfg.eval_fraction * len(texts))
         if count < 1 or count == len(texts):
             raise ValueError(f"data.eval_fraction={cfg.eval_fraction} of {len(texts)} distinct "
                              f"prompts in '{cfg.train_path}' holds out {count}; pick a fraction "
                              f"that leaves prompts on both sides")
         chosen = set(texts[:count])
-        held_out = [r for r in rows if prompt_text(r, key) in chosen]
+        held_out = [r for r, t in zip(rows, row_texts) if t in chosen]
     else:
         chosen = {prompt_text(r, key) for r in held_out}
     # each held-out prompt is evaluated once, however many rows repeat it
@@ -93,7 +93,7 @@ def split_rows(rows: list[dict], cfg: DataConfig, held_out: list[dict] | None = 
     for r in held_out:
         unique.setdefault(prompt_text(r, key), r)
     held_out = list(unique.values())
-    train = [r for r in rows if prompt_text(r, key) not in chosen]
+    train = [r for r, t in zip(rows, row_texts) if t not in chosen]
     if not train:
         raise ValueError(f"every prompt of '{cfg.train_path}' is in the held-out set "
                          f"'{cfg.eval_path}'; give a held-out file with other prompts")

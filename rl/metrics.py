@@ -32,7 +32,7 @@ class RunLog:
             self.history = keep_lines(self.metrics_path, step)
             keep_lines(self.rollouts_path, step)
             if self.progress.bar is not None:
-                self.progress.bar.update(sum('reward/mean' in h for h in self.history))
+                self.progress.bar.update(len(self.step_lines()))
             if not self.history or self.history[-1]["step"] < step:
                 self.log_step(line)
 
@@ -57,6 +57,10 @@ class RunLog:
         for logger in self.loggers:
             logger.close()
         self.loggers = []
+
+    def step_lines(self) -> list[dict]:
+        """The RL steps' lines (not the held-out evaluation of the base model, step 0)."""
+        return [m for m in self.history if "reward/mean" in m]
 
     def eta_seconds(self, m: dict) -> float:
         # the first step pays engine warm-up: estimate from the later ones when there are some
@@ -87,7 +91,7 @@ class RunLog:
     def plot(self) -> Path | None:
         """metrics.png: reward (raw and smoothed), held-out evaluation when there is one, KL,
         response length and the step time split into its phases, against step."""
-        history = [m for m in self.history if "reward/mean" in m]  # RL steps, not step 0
+        history = self.step_lines()
         if not history:
             return None
         import matplotlib
@@ -136,7 +140,7 @@ class RunLog:
         return out
 
     def _plot_reward(self, ax) -> None:
-        history = [m for m in self.history if "reward/mean" in m]
+        history = self.step_lines()
         steps = [m["step"] for m in history]
         raw = [m["reward/mean"] for m in history]
         ax.plot(steps, raw, color="tab:blue", alpha=0.3, linewidth=1, label="per step")

@@ -89,6 +89,7 @@ def _join_trainers(trainers: list) -> None:
 class Placement:
     trainers: list
     engines: list
+    streaming = False  # the engines generate in loops of their own (async pipeline modes)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

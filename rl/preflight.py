@@ -77,15 +77,14 @@ def check_rows(cfg: Config, rows: list[dict], where: str = "train_path") -> None
 def preflight(cfg: Config):
     """Every up-front check; returns the data set (rl.data.Rows: training and held-out rows,
     through the rewards' start checks)."""
-    from rl.data import resolve_rows
-    from rl.rewarding import checked_rows
-    from rl.tasks import read_rows
+    from rl.rewarding import checked_rows, load_rows
 
     try:  # the data first: these checks import nothing heavy
-        check_rows(cfg, resolve_rows(cfg.data, cfg.run.seed))  # before the split reads prompts
-        if cfg.data.eval_path and Path(cfg.data.eval_path).exists():
-            check_rows(cfg, read_rows(cfg.data.eval_path), "eval_path")
-        rows = checked_rows(cfg)
+        train, held_out = loaded = load_rows(cfg)
+        check_rows(cfg, train)  # before the split reads the prompts
+        if held_out is not None:
+            check_rows(cfg, held_out, "eval_path")
+        rows = checked_rows(cfg, loaded)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     check_model_path(cfg)

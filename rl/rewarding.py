@@ -40,22 +40,29 @@ def check_reward_terms(cfg: RewardConfig, rows: list[dict]) -> None:
             raise ConfigError(f"reward '{term.name}': {e}") from None
 
 
-def checked_rows(cfg):
-    """The data set (a Config's data section) as rl.data.Rows, training and held-out rows
-    through every reward term's start check: before torch, Ray or an engine starts, so a bad
-    data set fails in seconds."""
-    from rl.data import resolve_rows, split_rows
-    from rl.tasks import read_rows
-
+def load_rows(cfg) -> tuple[list[dict], list[dict] | None]:
+    """The training file's rows and the held-out file's (data.eval_path; None without one)."""
     from pathlib import Path
 
+    from rl.data import resolve_rows
+    from rl.tasks import read_rows
+
     rows = resolve_rows(cfg.data, cfg.run.seed)
-    held_out = None
-    if cfg.data.eval_path:
-        if not Path(cfg.data.eval_path).exists():
-            raise FileNotFoundError(f"data.eval_path '{cfg.data.eval_path}' does not exist; give "
-                                    f"the held-out file or use data.eval_fraction")
-        held_out = read_rows(cfg.data.eval_path)
+    if not cfg.data.eval_path:
+        return rows, None
+    if not Path(cfg.data.eval_path).exists():
+        raise FileNotFoundError(f"data.eval_path '{cfg.data.eval_path}' does not exist; give "
+                                f"the held-out file or use data.eval_fraction")
+    return rows, read_rows(cfg.data.eval_path)
+
+
+def checked_rows(cfg, loaded: tuple[list[dict], list[dict] | None] | None = None):
+    """The data set (a Config's data section) as rl.data.Rows, training and held-out rows
+    through every reward term's start check: before torch, Ray or an engine starts, so a bad
+    data set fails in seconds. loaded: what load_rows(cfg) returned, if the caller has it."""
+    from rl.data import split_rows
+
+    rows, held_out = loaded if loaded is not None else load_rows(cfg)
     split = split_rows(rows, cfg.data, held_out)
     check_reward_terms(cfg.reward, split.train + split.held_out)
     return split

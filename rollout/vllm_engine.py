@@ -170,9 +170,9 @@ class VLLMEngine:
         return SamplingParams(
             n=c.n if n is None else n, temperature=0.0 if greedy else c.temperature,
             top_p=1.0 if greedy else c.top_p, top_k=0 if greedy else c.top_k,
-            min_p=0.0 if greedy else c.min_p, max_tokens=c.max_new_tokens, stop=list(c.stop) or None,
-            stop_token_ids=list(c.stop_token_ids) or None, logprobs=0, seed=seed,
-            detokenize=True,
+            min_p=0.0 if greedy else c.min_p, max_tokens=c.max_new_tokens,
+            stop=list(c.stop) or None, stop_token_ids=list(c.stop_token_ids) or None, logprobs=0,
+            seed=seed, detokenize=True,
             structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None = None,
