@@ -174,7 +174,14 @@ def code_exec(prompt: str, completion: str, tests: list, timeout_s: float = 5.0,
     return sum(passed) / len(tests)  # our count of cases: whatever the program wrote, <= 1
 
 
+REASONING_GYM_FALLBACKS = ("response", "last_number")
+
+
 def _check_reasoning_gym(rows: list, args: dict) -> None:
+    fallback = args.get("fallback", "response")
+    if fallback not in REASONING_GYM_FALLBACKS:
+        raise StartCheckError(f"reward reasoning_gym: args.fallback is {fallback!r}; use one of "
+                              f"{', '.join(REASONING_GYM_FALLBACKS)}")
     bad = next((i for i, r in enumerate(rows) if not isinstance(r.get("reasoning_gym"), dict)),
                None)
     if bad is not None:
@@ -190,14 +197,19 @@ def _check_reasoning_gym(rows: list, args: dict) -> None:
 @register("reasoning_gym")
 @start_check(_check_reasoning_gym)
 def reasoning_gym_answer(prompt: str, completion: str, answer: str, reasoning_gym: dict,
-                         **row) -> float:
+                         fallback: str = "response", **row) -> float:
     """The reasoning-gym task's own verifier (`score_answer`, 0.0-1.0; partial credit where the
-    task gives it) on the last <answer>...</answer> of the completion, or the whole completion
-    when it has none."""
+    task gives it) on the last <answer>...</answer> of the completion. Without such a block (or
+    with an empty one, as when the model echoes the instruction) it scores, by `fallback`, the whole response ("response") or the response's last number
+    ("last_number": for tasks with numeric answers and models too small to follow the tag
+    format, like verl's "flexible" GSM8K extraction)."""
     import reasoning_gym as gym
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(completion)
+    if not (tagged or "").strip() and fallback == "last_number":  # no block, or an empty one
+        found = _NUMBER.findall(completion.replace(",", ""))
+        tagged = found[-1] if found else ""
     score = gym.get_score_answer_fn(reasoning_gym["task"])
     return float(score(tagged if tagged is not None else completion.strip(),
                        reasoning_gym["entry"]))

@@ -35,12 +35,20 @@ def test_the_tasks_verifier_scores_the_answer_block(rows):
         assert reward(row["prompt"], f"<answer>{right}</answer>", **extra) == 1.0
         assert reward(row["prompt"], f"I think <answer>{wrong}</answer>", **extra) == 0.0
         assert reward(row["prompt"], right, **extra) == 1.0  # no block: the whole response
+        said = f"{row['prompt']} The answer is {right}."
+        assert reward(row["prompt"], said, **extra) < 1.0
+        assert reward(row["prompt"], said, fallback="last_number", **extra) == 1.0
+        assert reward(row["prompt"], f"{said} Or {wrong}", fallback="last_number", **extra) == 0.0
+        assert reward(row["prompt"], f"<answer>{wrong}</answer> {right}", fallback="last_number",
+                      **extra) == 0.0  # a block wins over the fallback
 
 
 def test_rows_without_an_entry_and_unknown_tasks_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="row 1 has no 'reasoning_gym' field"):
         start_check_of(resolve("reasoning_gym"))(
             [{"reasoning_gym": {"task": "x", "entry": {}}}, {"prompt": "a"}], {})
+    with pytest.raises(ValueError, match="args.fallback is 'last'; use one of response, last_n"):
+        start_check_of(resolve("reasoning_gym"))([], {"fallback": "last"})
     monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="reasoning_gym:no_such_task.*check the task name"):
         resolve_rows(DataConfig(train_path="reasoning_gym:no_such_task", num_rows=2), 0)
