@@ -12,6 +12,13 @@ from rl.progress import Progress
 PHASES = ("time/rollout", "time/reward", "time/update", "time/sync")
 
 
+def eval_curves(history: list[dict]) -> list[str]:
+    """The eval/ metrics drawn in metrics.png: the accuracies and rewards (0-1), not the count of
+    held-out prompts, which would flatten them."""
+    return sorted({k for m in history for k in m
+                   if k.startswith("eval/") and k != "eval/num_prompts"})
+
+
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, loggers: list | None = None,
                  stream=None, resume: tuple[int, dict] | None = None):
@@ -106,9 +113,11 @@ class RunLog:
             return [m.get(key, math.nan) for m in history]
 
         panels = [("reward", self._plot_reward)]
-        evals = sorted({k for m in self.history for k in m if k.startswith("eval/")})
+        evals = eval_curves(self.history)
         if evals:
-            panels.append(("held-out evaluation", lambda ax: [
+            size = [m["eval/num_prompts"] for m in self.history if "eval/num_prompts" in m]
+            title = "held-out evaluation" + (f" ({size[0]:.0f} prompts)" if size else "")
+            panels.append((title, lambda ax: [
                 ax.plot(*zip(*[(m["step"], m[k]) for m in self.history if k in m]), marker="o",
                         label=k.removeprefix("eval/")) for k in evals]))
         for key, title in (("kl/mean", "KL to the reference"),

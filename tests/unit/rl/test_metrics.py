@@ -1,7 +1,7 @@
 """metrics.png and the smoothing of its reward curve."""
 import pytest
 
-from rl.metrics import RunLog, smooth
+from rl.metrics import RunLog, eval_curves, smooth
 
 
 def test_smooth_is_a_debiased_moving_average():
@@ -15,20 +15,22 @@ def test_plot_has_reward_eval_kl_length_and_time_panels(tmp_path):
     import matplotlib.image
 
     log = RunLog(tmp_path, total_steps=4)
-    log.log_step({"step": 0, "eval/accuracy": 0.1, "time/eval": 2.0})  # the base model's
+    log.log_step({"step": 0, "eval/accuracy": 0.1, "eval/num_prompts": 102.0,
+                  "time/eval": 2.0})  # the base model's
     for step in range(1, 5):
         m = {"step": step, "reward/mean": 0.1 * step, "reward/std": 0.1, "kl/mean": 0.01,
              "response/length_mean": 7.0, "time/rollout": 0.1, "time/reward": 0.01,
              "time/update": 0.2, "time/sync": 0.05, "time/step": 0.36,
              "sync/logprob_max_abs_diff": 1e-7}
         if step in (1, 4):
-            m["eval/accuracy"] = 0.2 * step
+            m["eval/accuracy"], m["eval/num_prompts"] = 0.2 * step, 102.0
         log.log_step(m)
     log.close()
     assert [m["step"] for m in log.history] == [0, 1, 2, 3, 4]
     assert log.eta_seconds(log.history[-1]) == 0.0
     path = log.plot()
-    assert log.plot_panels == ["reward", "held-out evaluation", "KL to the reference",
+    assert eval_curves(log.history) == ["eval/accuracy"]  # the count would flatten the curves
+    assert log.plot_panels == ["reward", "held-out evaluation (102 prompts)", "KL to the reference",
                                "response length (tokens)", "step time (s)"]
     height, width, _ = matplotlib.image.imread(path).shape
     assert width > 1.5 * height  # two rows of three panels
