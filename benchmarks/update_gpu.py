@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from rl.batch import Sample, collate  # noqa: E402
 from update.config import LossConfig, TrainerConfig  # noqa: E402
 from update.losses import BatchCounts, LossInputs, policy_loss  # noqa: E402
-from update.trainer import (PolicyTrainer, init_distributed, response_forward,  # noqa: E402
-                            token_logprobs)
+from update.forward import response_logits, response_targets, token_logprobs  # noqa: E402
+from update.trainer import PolicyTrainer, init_distributed  # noqa: E402
 
 PRECISIONS = {  # name: (trainer dtype, bf16_mode, raw autocast)
     "fp32": ("float32", "weights", False),
@@ -123,8 +123,8 @@ def time_raw(path, mb, counts, precision, steps, dev) -> dict:
         t0 = time.perf_counter()
         with autocast:
             with torch.no_grad():
-                ref_lp = token_logprobs(response_forward(ref, batch).logits, batch["input_ids"])
-            lp = token_logprobs(response_forward(model, batch).logits, batch["input_ids"])
+                ref_lp = token_logprobs(response_logits(ref, batch), response_targets(batch))
+            lp = token_logprobs(response_logits(model, batch), response_targets(batch))
         inputs = LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=batch["advantages"],
                             response_mask=batch["response_mask"], counts=counts,
                             ref_logprobs=ref_lp, rollout_logprobs=batch["rollout_logprobs"])

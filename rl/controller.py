@@ -111,6 +111,8 @@ class Controller:
             self.evaluator = Evaluator(self.held_out, self.scorer, cfg.trainer.eval_k,
                                        cfg.trainer.eval_threshold, self.run_dir / "eval")
         self.grad_accum = grad_accum_steps(cfg)
+        # n samples of each prompt: the trainers run each prompt once (update.forward)
+        self.share_prompts = cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
@@ -247,7 +249,7 @@ class Controller:
 
         parts = split_ranks(samples, len(self.trainers), self.grad_accum)
         pad = self.tokenizer.pad_token_id
-        results = ray.get([w.prepare.remote([collate(m, pad) for m in micros])
+        results = ray.get([w.prepare.remote([collate(m, pad, self.share_prompts) for m in micros])
                            for w, micros in zip(self.trainers, parts)])
         for micros, outs in zip(parts, results):
             for micro, out in zip(micros, outs):
@@ -293,7 +295,7 @@ class Controller:
         for epoch in range(algo.ppo_epochs):
             plan = plan_update(samples, len(self.trainers), algo.num_mini_batches,
                                self.grad_accum, self.tokenizer.pad_token_id,
-                               (self.cfg.run.seed + step) * 1000 + epoch)
+                               (self.cfg.run.seed + step) * 1000 + epoch, self.share_prompts)
             for ranks, counts in zip(plan.mini_batches, plan.counts):
                 merged = reduce_rank_metrics(ray.get([w.train.remote(mb, counts)
                                                       for w, mb in zip(self.trainers, ranks)]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from update.config import LossConfig, TrainerConfig
+from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
 from update.trainer import ds_config, load_engine, save_engine
 
@@ -52,6 +53,7 @@ class ValueTrainer:
         """V at position t estimates the return of the tokens after t: [B, R], like logprobs
         (position P - 1, the prompt's last, values the first response token)."""
         dev = self.engine.device
+        mb = full_layout(mb)  # the value head reads every position: no shared prompts
         values = self.engine(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),
                              mb["position_ids"].to(dev))
         r = mb["response_mask"].shape[1]

@@ -13,13 +13,20 @@ from pathlib import Path
 import torch
 
 from update.config import LossConfig, TrainerConfig
+from update.forward import (check_model_class, full_layout, is_shared, response_logits,
+                            response_targets, token_logprobs)
 from update.losses import (BatchCounts, LossInputs, add_metrics, nll_loss, old_logprob_metrics,
                            policy_loss)
 
-# MicroBatch keys (rl.batch.collate): input_ids, attention_mask, position_ids [B, L] long, with
-# prompts left-padded and responses right-padded so that every response starts at column
-# L - R; response-only token-level [B, R] float tensors: response_mask (1 on response tokens),
-# advantages, old_logprobs, rollout_logprobs, and when used ref_logprobs, values, returns.
+# MicroBatch keys (rl.batch.collate): the tokens in one of two layouts (update.forward: full,
+# or shared prompts); response-only token-level [B, R] float tensors: response_mask (1 on
+# response tokens), advantages, old_logprobs, rollout_logprobs, and when used ref_logprobs,
+# values, returns.
+
+# Largest |shared-prompt - full| logprob of the start-up check (float32) for the shared layout
+# to be used: measured 0-2.5e-5 on Qwen2/Llama; a forward that mishandles the cache is off by
+# whole nats.
+SHARED_PROMPT_TOLERANCE = 1e-4
 
 
 def device_name() -> str:
@@ -33,23 +40,6 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device_name() == "cuda" else "gloo")
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0):
-    """log p(token_{t+1} | tokens_<=t) for the tokens after the logits' first position:
-    [B, K, V] logits of the last K positions, [B, L] ids -> [B, K-1]."""
-    logits = logits[:, :-1].float() / temperature
-    targets = input_ids[:, input_ids.shape[1] - logits.shape[1]:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def response_forward(engine, mb: dict):
-    """The model's outputs for a micro-batch, logits only for the positions that score its
-    responses (the last R + 1: position P - 1 scores the first response token)."""
-    dev = engine.device
-    return engine(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                  position_ids=mb["position_ids"].to(dev),
-                  logits_to_keep=mb["response_mask"].shape[1] + 1, use_cache=False)
 
 
 def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True) -> dict:
@@ -125,6 +115,27 @@ class PolicyTrainer:
             self.ref, *_ = deepspeed.initialize(
                 model=ref_model, config=ds_config(cfg, self.world_size, grad_accum, train=False))
             self.ref.eval()
+        self.share_prompts = self._can_share_prompts()
+
+    def _can_share_prompts(self) -> bool:
+        """Whether shared-prompt micro-batches run as such (else they are expanded to the full
+        layout): on when configured and a small float32 model of this architecture scores a
+        made-up batch alike both ways (update.forward.check_model_class; every rank decides
+        alike, from the same config)."""
+        import logging
+
+        if not self.cfg.enable_prompt_sharing:
+            return False
+        if self.cfg.gradient_checkpointing:  # HF turns the cache off under checkpointing
+            return False
+        diff, error = check_model_class(self.module.config)
+        if diff <= SHARED_PROMPT_TOLERANCE:
+            return True
+        logging.getLogger(__name__).warning(
+            "trainer.enable_prompt_sharing: %s scores shared prompts %s, so each sample runs "
+            "its own prompt (slower when n > 1)", type(self.module).__name__,
+            f"with an error ({error})" if error else f"off by {diff:.3g} nats")
+        return False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -134,9 +145,12 @@ class PolicyTrainer:
         """(token logprobs [B, R], entropy [B, R] or None) of the responses under `engine`."""
         from update.losses import entropy_from_logits
 
-        out = response_forward(engine, mb)
-        logprobs = token_logprobs(out.logits, mb["input_ids"].to(engine.device), self.temperature)
-        ent = entropy_from_logits(out.logits[:, :-1] / self.temperature) if entropy else None
+        if is_shared(mb) and not self.share_prompts:
+            mb = full_layout(mb)
+        logits = response_logits(engine, mb)  # [B, R, V]
+        logprobs = token_logprobs(logits, response_targets(mb).to(engine.device),
+                                  self.temperature)
+        ent = entropy_from_logits(logits / self.temperature) if entropy else None
         return logprobs, ent
 
     def _check_accum(self, micro_batches: list[dict]) -> None:
@@ -219,7 +233,8 @@ class PolicyTrainer:
         ids = torch.tensor([token_ids]).to(self.engine.device)
         logits = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids),
                              use_cache=False).logits
-        return token_logprobs(logits, ids, 1.0)[0].tolist()  # raw, like vLLM's prompt logprobs
+        # raw (temperature 1), like vLLM's prompt logprobs
+        return token_logprobs(logits[:, :-1], ids[:, 1:], 1.0)[0].tolist()
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """DeepSpeed checkpoint (model, optimizer, LR state) in directory/tag; every rank calls.

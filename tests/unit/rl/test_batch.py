@@ -35,18 +35,20 @@ def tiny_lm(tmp_path_factory):
 def test_padded_micro_batch_scores_each_response_like_the_sample_alone(tiny_lm):
     import torch
 
-    from update.trainer import response_forward, token_logprobs
+    from update.forward import response_logits, response_targets, token_logprobs
 
     samples = [sample([5, 6, 7, 8, 9], [10, 11]), sample([5], [12, 13, 14, 15]),
-               sample([7, 8], [9])]
-    b = collate(samples, pad_id=0)
-    with torch.no_grad():
-        got = token_logprobs(response_forward(tiny_lm, b).logits, b["input_ids"])
-        for i, s in enumerate(samples):
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            alone = token_logprobs(tiny_lm(input_ids=ids).logits, ids)[0, -len(s.response_ids):]
-            assert torch.allclose(got[i, :len(s.response_ids)], alone, atol=1e-5), i
-    assert got.shape == b["response_mask"].shape
+               sample([7, 8], [9]), sample([5], [16, 17])]
+    for share in (False, True):  # the shared layout runs prompt [5] once for two samples
+        b = collate(samples, pad_id=0, share_prompts=share)
+        with torch.no_grad():
+            got = token_logprobs(response_logits(tiny_lm, b), response_targets(b))
+            for i, s in enumerate(samples):
+                ids = torch.tensor([s.prompt_ids + s.response_ids])
+                alone = token_logprobs(tiny_lm(input_ids=ids).logits[:, :-1], ids[:, 1:])
+                alone = alone[0, -len(s.response_ids):]
+                assert torch.allclose(got[i, :len(s.response_ids)], alone, atol=1e-5), (share, i)
+        assert got.shape == b["response_mask"].shape
 
 
 def test_chunk_sizes_differ_by_at_most_one():
@@ -76,3 +78,102 @@ def test_response_slice_inverts_collate():
     s = sample([5, 6, 7], [8, 9], adv=0.25)
     b = collate([s, sample([1], [2, 3, 4])], pad_id=0)
     assert response_slice(s, b["advantages"][0]) == [0.25, 0.25]
+
+
+def grouped_samples(seed: int = 0):
+    """3 prompts x 3 samples of different lengths, each with advantages and rollout logprobs."""
+    import random
+
+    rng = random.Random(seed)
+    samples = []
+    for g in range(3):
+        prompt = [rng.randrange(3, 300) for _ in range(3 + 2 * g)]
+        for _ in range(3):
+            response = [rng.randrange(3, 300) for _ in range(rng.randint(1, 5))]
+            s = sample(prompt, response, adv=rng.uniform(-1, 1),
+                       lps=[-rng.uniform(1, 3) for _ in response])
+            s.group = g
+            samples.append(s)
+    return samples
+
+
+def test_shared_prompt_layout_holds_each_prompt_once_and_expands_to_the_full_layout():
+    from update.forward import full_layout
+
+    samples = grouped_samples()
+    shared = collate(samples, pad_id=0, share_prompts=True)
+    assert shared["prompt_ids"].shape[0] == 3 and "input_ids" not in shared
+    assert shared["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    full = collate(samples, pad_id=0)
+    expanded = full_layout(shared)
+    assert sorted(expanded) == sorted(full)
+    for key in full:  # the same tensors, exactly: the trainer may take either layout
+        assert expanded[key].tolist() == full[key].tolist(), key
+
+
+def test_shared_prompt_forward_gives_the_full_layouts_loss_and_gradients(tiny_lm):
+    """Gradients flow back into each prompt's pass through its cached keys and values."""
+    import torch
+
+    from update.forward import response_logits, response_targets, token_logprobs
+
+    samples = grouped_samples(1)
+    grads, values = [], []
+    for share in (False, True):
+        b = collate(samples, pad_id=0, share_prompts=share)
+        tiny_lm.zero_grad()
+        logprobs = token_logprobs(response_logits(tiny_lm, b), response_targets(b))
+        loss = (logprobs * b["advantages"] * b["response_mask"]).sum() / b["response_mask"].sum()
+        loss.backward()
+        values.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_lm.parameters()]))
+    tiny_lm.zero_grad()
+    assert values[1] == pytest.approx(values[0], abs=1e-6)
+    assert float(grads[0].abs().max()) > 1e-3  # the comparison means something
+    assert float((grads[1] - grads[0]).abs().max()) <= 1e-6
+
+
+def test_check_shared_prompts_passes_on_a_real_model_and_fails_on_a_forward_that_drops_the_cache(
+        tiny_lm):
+    import torch
+
+    from update.forward import check_shared_prompts
+
+    diff, error = check_shared_prompts(tiny_lm, tiny_lm.config.vocab_size)
+    assert diff <= 1e-5 and error == ""
+
+    class NoCache(torch.nn.Module):  # a model whose forward ignores past keys and values
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, past_key_values=None, **kw):
+            return self.inner(**kw)
+
+    diff, _ = check_shared_prompts(NoCache(tiny_lm), tiny_lm.config.vocab_size)
+    assert diff > 0.1
+
+
+def test_the_start_up_check_runs_on_a_small_float32_copy_of_the_architecture(tiny_lm):
+    import torch
+
+    from update.forward import check_model_class
+
+    state = torch.random.get_rng_state()
+    diff, error = check_model_class(tiny_lm.config)
+    assert diff <= 1e-5 and error == ""
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run's random state is its own
+
+
+def test_plan_update_with_shared_prompts_keeps_each_group_in_one_micro_batch():
+    samples = [sample([g, g + 1], [3] * (i % 3 + 1)) for g in range(8) for i in range(4)]
+    for g in range(8):
+        for s in samples[4 * g:4 * g + 4]:
+            s.group = g
+    plan = plan_update(samples, world_size=2, num_mini_batches=2, grad_accum=2, pad_id=0, seed=3,
+                       share_prompts=True)
+    micro_batches = [mb for ranks in plan.mini_batches for r in ranks for mb in r]
+    assert len(micro_batches) == 8
+    for mb in micro_batches:  # 4 samples of one prompt: one prompt row each
+        assert mb["prompt_ids"].shape[0] == 1 and mb["prompt_index"].tolist() == [0] * 4
+    assert sum(c.num_tokens for c in plan.counts) == sum(len(s.response_ids) for s in samples)
