@@ -56,3 +56,34 @@ def test_a_pool_timeout_leaves_nothing_running_or_behind(namespaces, leftovers):
             assert cgroups_of(killed) == []
     finally:
         pool.close()
+
+
+CHUNKED = '''
+import os, time
+
+def slow(prompt, completion):
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "die":
+        os._exit(3)
+    time.sleep(float(completion))
+    return float(completion)
+'''
+
+
+def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tmp_path):
+    """40 calls on 2 workers go in chunks of 5: a chunk of 0.25 s calls outlasts the 1 s timeout
+    as a whole, yet no call times out; a hang and a crash in the middle of a chunk cost only
+    their own call, and the rest of that chunk is answered by a new worker."""
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(CHUNKED)
+    completions = ["0.25"] * 40
+    completions[7], completions[22] = "hang", "die"
+    pool = RewardPool([f"{plugin}:slow"], num_workers=2, timeout_s=1.0)
+    try:
+        results = pool.run([(0, {"prompt": "p", "completion": c}) for c in completions])
+    finally:
+        pool.close()
+    assert results[7] == (TIMEOUT, None)
+    assert results[22][0] == "error" and "exit code 3" in results[22][1]
+    assert [r for i, r in enumerate(results) if i not in (7, 22)] == [(OK, 0.25)] * 38
