@@ -269,9 +269,15 @@ class RolloutRole(Role):
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
                      version: int = 0) -> None:
+        import gc
+
         from rollout.vllm_engine import VLLMEngine
 
         self.stop_stream()
+        # an engine in this process tears down vLLM's process-wide parallel state when it goes:
+        # let the old one go before the new one sets that state up
+        self.engine = None
+        gc.collect()
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version, self.packed = version, None
         self._place_weights_directly()

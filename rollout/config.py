@@ -23,6 +23,9 @@ class RolloutConfig:
     "Drop tokens below min_p times the top token's probability (0: off)."
     max_new_tokens: int = 16
     "Longest response in tokens."
+    min_new_tokens: int = 0
+    ("Shortest response in tokens: eos and stop tokens are not sampled before (vLLM's "
+     "min_tokens); benchmarks set it to max_new_tokens so that every row does the same work.")
     stop: List[str] = field(default_factory=list)
     "Stop strings (not included in the response)."
     stop_token_ids: List[int] = field(default_factory=list)

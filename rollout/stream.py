@@ -213,8 +213,9 @@ class GenerationLoop:
             return
         del self.running[out.request_id]
         s.finish_reason = str(c.finish_reason)
-        # a sequence cut by a sync: decode it whole (pieces decoded apart may join wrongly)
-        s.text = c.text if s.segments == 1 else self.engine.decode(s.token_ids)
+        # a sequence cut by a sync: decode it whole (pieces decoded apart may join wrongly);
+        # engines that do not detokenize as they go leave the text empty
+        s.text = (c.text if s.segments == 1 and c.text else self.engine.decode(s.token_ids))
         slots = self.groups[s.group]
         slots[s.index] = s
         if all(x is not None for x in slots):

@@ -29,10 +29,13 @@ def worker(ray, cfg, path, with_trainer):
     return w, placement
 
 
+PLAIN = ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4",
+         "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "trainer.micro_batch_size=4"]
+
+
 @pytest.fixture(scope="module")
 def plain(ray_session, model_and_tokenizer):
-    cfg = load_config(None, ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4", "rollout.max_new_tokens=12",
-                             "rollout.prompts_per_step=2", "trainer.micro_batch_size=4"])
+    cfg = load_config(None, PLAIN)
     w, handle = worker(ray_session, cfg, model_and_tokenizer[0], with_trainer=True)
     yield ray_session, w
     handle.stop()
@@ -146,3 +149,26 @@ def test_large_seeded_batch_completes(plain, model_and_tokenizer):
     prompts = [prompt_ids(tok, f"What is {i} + {i}? " * 4) for i in range(200)]
     out = ray.get(w.generate.remote(prompts, list(range(200))))["groups"]
     assert len(out) == 200 and all(len(g) == 4 for g in out)
+
+
+def test_texts_decoded_at_the_end_equal_vllms_own_detokenization(ray_session, plain,
+                                                                   model_and_tokenizer):
+    """Without stop strings the engine leaves detokenization off and decodes each response once;
+    with one (which needs vLLM's detokenizer) the same seeded tokens come back with vLLM's text."""
+    from dataclasses import replace
+
+    ray, w = plain
+    path, tok = model_and_tokenizer
+    prompts = [prompt_ids(tok, f"Say something about {i}") for i in range(6)]
+    cfg = load_config(None, ["rollout.n=4", "rollout.max_new_tokens=12", "rollout.temperature=1.5"])
+    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
+    decoded = ray.get(w.generate.remote(prompts, list(range(6))))["groups"]
+    ray.get(w.init_rollout.remote(path, replace(cfg.rollout, stop=["@@@never@@@"]), 0))
+    try:
+        detokenized = ray.get(w.generate.remote(prompts, list(range(6))))["groups"]
+    finally:  # the module's worker goes back to its own engine
+        ray.get(w.init_rollout.remote(path, load_config(None, PLAIN).rollout, 0))
+    pairs = [(a, b) for ga, gb in zip(decoded, detokenized) for a, b in zip(ga, gb)]
+    assert all(a["token_ids"] == b["token_ids"] for a, b in pairs)
+    assert sum(bool(a["text"].strip()) for a, _ in pairs) > 12  # real text to compare
+    assert [a["text"] for a, _ in pairs] == [b["text"] for _, b in pairs]
