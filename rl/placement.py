@@ -13,6 +13,22 @@ import os
 from rl.config import Config
 
 
+def cpu_malloc(cfg: Config) -> str | None:
+    """The library the workers preload as their allocator (ray.cpu_malloc), or None."""
+    import ctypes.util
+
+    choice = cfg.ray.cpu_malloc
+    if choice == "system":
+        return None
+    if choice != "auto":
+        return choice
+    gpus = cfg.ray.num_gpus_per_worker or (cfg.placement == "disaggregated"
+                                           and cfg.ray.num_gpus_per_rollout_worker)
+    if gpus:
+        return None
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
 def start_ray(cfg: Config) -> None:
     import ray
 
@@ -23,6 +39,10 @@ def start_ray(cfg: Config) -> None:
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning",
            "RL_CACHE_DIR": str(cache_root())}
+    malloc = cpu_malloc(cfg)
+    if malloc:  # the workers start with it (a library missing on some node is skipped there)
+        env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), malloc]))
+        env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] = str(1 << 40)  # no line per KV cache
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": env})
     else:

