@@ -285,9 +285,11 @@ def restore(controller, point: ResumePoint) -> None:
 
     supersede_newer(point)
     directory = str(point.checkpoint)
-    ray.get([w.load_checkpoint.remote(directory) for w in controller.trainers])
     version = int(point.state["policy_version"])
     controller.placement.init_rollout(controller.model_path, version)
+    # both sides hold the base model until the checkpoint loads: the probe's noise floor
+    controller.placement.measure_probe_noise(controller.probe)
+    ray.get([w.load_checkpoint.remote(directory) for w in controller.trainers])
     if version > 0:  # the engines start from the base model: give them the saved policy
         controller.placement.sync(version, controller.probe)
     controller.policy_version = version

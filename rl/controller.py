@@ -149,6 +149,7 @@ class Controller:
         else:
             with span("init engines"):
                 self.placement.init_rollout(model_path, self.policy_version)
+            self.placement.measure_probe_noise(self.probe)
         # a new run scores its base model on the held-out set before step 1
         first_eval = self.evaluate(0) if self.evaluator is not None and not resume else None
         self.producer = None

@@ -125,8 +125,31 @@ class Placement:
         ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
                  for e in self.engines])
 
+    tolerance: float | None = None  # the post-sync check's, once measured (measure_probe_noise)
+
     def sync(self, version: int, probe: list[int]) -> dict:
         raise NotImplementedError
+
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        """(trainer, engine) probe logprobs for every engine, weights as they are."""
+        raise NotImplementedError
+
+    def measure_probe_noise(self, probe: list[int]) -> dict:
+        """While trainers and engines hold the same weights (the base model, before any sync):
+        how far the engines score the probe from the trainer is their precision's own noise;
+        the post-sync check's tolerance follows from it (weight_sync.verify.probe_tolerance)."""
+        import ray
+
+        from weight_sync.verify import max_abs_diff, probe_tolerance
+
+        noise = max(max_abs_diff(t, e) for t, e in self.probe_pairs(probe))
+        dtype = ray.get(self.engines[0].engine_dtype.remote())
+        self.tolerance = probe_tolerance(self.cfg.trainer.dtype, dtype, self.cfg.sync.tolerance,
+                                         noise)
+        print(f"post-sync check: trainer {self.cfg.trainer.dtype}, engines {dtype}; the probe "
+              f"scores {noise:.2g} apart on the same weights; tolerance {self.tolerance:g}"
+              + (" (sync.tolerance)" if self.cfg.sync.tolerance is not None else ""), flush=True)
+        return {"sync/probe_noise": noise, "sync/tolerance": self.tolerance}
 
     def stop(self) -> None:
         import ray
@@ -155,11 +178,17 @@ class Colocated(Placement):
         self.engines = self.trainers
         _join_trainers(self.trainers)
 
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        import ray
+
+        return ray.get([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
+
     def sync(self, version: int, probe: list[int]) -> dict:
         import ray
 
-        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe,
-                                                  self.cfg.sync.tolerance) for w in self.trainers])
+        tolerance = self.cfg.sync.tolerance if self.tolerance is None else self.tolerance
+        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance)
+                           for w in self.trainers])
         # the slowest rank's times; a path flag is 1 only if every rank took that path
         flags = ("sync/direct_load", "sync/shared_weights")
         return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
@@ -237,6 +266,13 @@ class Disaggregated(Placement):
         ray.get([e.stop_stream.remote() for e in self.engines])
         self.streaming = False
 
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        import ray
+
+        trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
+        return [(trainer, lps) for lps in ray.get([e.score_tokens.remote(probe)
+                                                    for e in self.engines])]
+
     def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
         """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
         Streaming, the engines pause to receive and resume only once their probe agrees (a
@@ -246,7 +282,7 @@ class Disaggregated(Placement):
 
         import ray
 
-        from weight_sync.verify import check_logprobs
+        from weight_sync.verify import check_logprobs, probe_tolerance
 
         t0 = time.perf_counter()
         sync = self.cfg.sync
@@ -260,14 +296,18 @@ class Disaggregated(Placement):
         seconds = time.perf_counter() - t0
         trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
         engines = ray.get([e.score_tokens.remote(probe) for e in self.engines])
-        diff = max(check_logprobs(trainer, lps, sync.tolerance, f"rollout engine {i}")
+        if self.tolerance is None:  # not measured (a placement driven by a test)
+            self.tolerance = probe_tolerance(self.cfg.trainer.dtype, ray.get(
+                self.engines[0].engine_dtype.remote()), sync.tolerance)
+        tolerance = self.tolerance
+        diff = max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
                    for i, lps in enumerate(engines))
         if self.streaming:  # checked: generation goes on under the new version
             ray.get([e.resume_stream.remote() for e in self.engines])
         return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
-                "sync/logprob_max_abs_diff": diff,
+                "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
                 "sync/direct_load": min(r["sync/direct_load"] for r in received),
                 "sync/in_place": sent["sync/in_place"], "sync/cross_host": self.cross_host,
                 **{k: v for k, v in sent.items() if k.startswith("sync/send_")},

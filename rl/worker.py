@@ -424,6 +424,9 @@ class RolloutRole(Role):
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
 
+    def engine_dtype(self) -> str:
+        return self.engine.dtype
+
     @traced("verification")
     def score_tokens(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token after the first (no sampling)."""
@@ -451,12 +454,14 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
-                     tolerance: float) -> dict:
+                     tolerance: float | None = None) -> dict:
         """Make this rank's engine the trainer's weights (collective over the trainer ranks),
-        then verify them on a probe."""
+        then verify them on a probe (tolerance None: the dtypes' uncalibrated default)."""
         import time
 
-        from weight_sync.verify import check_logprobs
+        from weight_sync.verify import check_logprobs, probe_tolerance
+
+        tolerance = probe_tolerance(self.trainer.cfg.dtype, self.engine.dtype, tolerance)
 
         t0 = time.perf_counter()
         self.policy_version = None
@@ -477,7 +482,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         return {"sync/seconds": seconds, "sync/probe_trainer_seconds": t1 - seconds - t0,
                 "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/logprob_max_abs_diff": diff, "sync/direct_load": float(self.direct_load),
+                "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
+                "sync/direct_load": float(self.direct_load),
                 "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
 
     def _share_engine_weights(self):

@@ -15,7 +15,7 @@ from update.losses import BatchCounts
 @contextmanager
 def colocated(ray, tmp_path_factory, preset: str, seed: int, *overrides: str):
     """2 colocated workers (0.5 CPU each), trainer and engine started from a fresh tiny model;
-    yields (workers, cfg) and stops them after."""
+    yields (workers, cfg, placement) and stops them after."""
     cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
                              "trainer.micro_batch_size=4", *overrides])
     path = str(build_tiny_model(preset, seed=seed, out_dir=tmp_path_factory.mktemp("m") / "m"))
@@ -25,7 +25,7 @@ def colocated(ray, tmp_path_factory, preset: str, seed: int, *overrides: str):
         ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
                  for w in workers])
         ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
-        yield workers, cfg
+        yield workers, cfg, placement
     finally:
         placement.stop()
 
@@ -33,7 +33,7 @@ def colocated(ray, tmp_path_factory, preset: str, seed: int, *overrides: str):
 @pytest.fixture(scope="module")
 def tied_workers(ray_session, tmp_path_factory):
     with colocated(ray_session, tmp_path_factory, "tiny-llama-tied", 1,
-                   "sync.bucket_mb=0.05") as (workers, cfg):
+                   "sync.bucket_mb=0.05") as (workers, cfg, _):
         yield ray_session, workers, cfg
 
 
@@ -82,7 +82,7 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
     trainer's logprobs."""
     ray = ray_session
     with colocated(ray, tmp_path_factory, "tiny-qwen2", 2, "rollout.cpu_linear=packed") as (
-            workers, cfg):
+            workers, cfg, _):
         probe = list(range(3, 60))
         update_once(ray, workers)
         assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update moved the policy
@@ -103,7 +103,7 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, sta
     ray = ray_session
     with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
                    f"trainer.dtype={dtype}", "sync.bucket_mb=0.05",
-                   f"rollout.cpu_linear={linear}") as (workers, cfg):
+                   f"rollout.cpu_linear={linear}") as (workers, cfg, _):
         probe = list(range(3, 60))
         update_once(ray, workers)
         before = min(max_diffs(ray, workers, probe))
@@ -112,3 +112,67 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, sta
         assert after <= tolerance < before
         assert all(s["sync/direct_load"] == 1.0 and s["sync/shared_weights"] == 1.0
                    for s in stats)
+
+
+def _snapshot(self, key: str) -> None:
+    """(On a worker) keep a copy of the engine's weights under `key`."""
+    self.__dict__.setdefault("_snapshots", {})[key] = {
+        n: p.clone() for n, p in self.engine.parameters().items()}
+
+
+def _restore(self, key: str, prefixes: tuple[str, ...]) -> None:
+    """(On a worker) put back the kept copy of the parameters whose names start so."""
+    for name, p in self.engine.parameters().items():
+        if name.startswith(prefixes):
+            p.copy_(self._snapshots[key][name])
+    self.engine.weights_changed()
+
+
+def _corrupt(self, name: str) -> None:
+    """(On a worker) garbage in a quarter of one parameter: what a corrupted bucket leaves."""
+    p = self.engine.parameters()[name]
+    flat = p.view(-1)
+    flat[: flat.numel() // 4] = torch.randn(flat.numel() // 4, generator=torch.Generator()
+                                            .manual_seed(0)).to(p.dtype)
+    self.engine.weights_changed()
+
+
+@pytest.mark.parametrize("trainer_dtype", ["bfloat16", "float32"])
+def test_the_bf16_probe_tolerance_still_catches_a_stale_head_a_stale_layer_and_a_corrupt_bucket(
+        ray_session, tmp_path_factory, trainer_dtype):
+    """bf16 engines score the probe off the trainer by a noise that depends on the model; the
+    tolerance follows the noise measured at start-up (both sides hold the base model), and
+    after one real update these three faults on one rank's engine are still caught."""
+    from weight_sync.verify import SyncVerificationError, check_logprobs
+
+    ray = ray_session
+    with colocated(ray, tmp_path_factory, "tiny-llama-tied", 4, "rollout.dtype=bfloat16",
+                   f"trainer.dtype={trainer_dtype}", "trainer.bf16_mode=autocast") as (
+            workers, cfg, placement):
+        probe = list(range(3, 60))
+        start = placement.measure_probe_noise(probe)
+        tolerance = start["sync/tolerance"]
+        assert 0 < start["sync/probe_noise"] < tolerance < 1.0  # bf16's, and scaled to this model
+        ray.get([w.__ray_call__.remote(_snapshot, "base") for w in workers])
+        update_once(ray, workers)
+        stats = placement.sync(1, probe)
+        assert stats["sync/tolerance"] == tolerance
+        faults = {"stale tied head": lambda w: w.__ray_call__.remote(
+                      _restore, "base", ("model.embed_tokens.", "lm_head.")),
+                  "stale layer": lambda w: w.__ray_call__.remote(
+                      _restore, "base", ("model.layers.1.",)),
+                  "corrupt bucket": lambda w: w.__ray_call__.remote(
+                      _corrupt, "model.layers.0.mlp.down_proj.weight")}
+        missed = {}
+        for fault, apply in faults.items():
+            ray.get([w.__ray_call__.remote(_snapshot, "synced") for w in workers])
+            ray.get(apply(workers[0]))  # rank 0's engine goes wrong
+            # the trainer's probe is a collective under ZeRO-3: both ranks score it
+            trainer, engine = ray.get([w.probe.remote(probe) for w in workers])[0]
+            try:
+                check_logprobs(trainer, engine, tolerance, "rank 0")
+                missed[fault] = max(abs(a - b) for a, b in zip(trainer, engine))
+            except SyncVerificationError:
+                pass
+            ray.get(workers[0].__ray_call__.remote(_restore, "synced", ("",)))
+        assert not missed, (missed, tolerance)
