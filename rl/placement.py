@@ -38,7 +38,11 @@ def start_ray(cfg: Config) -> None:
         return
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning",
-           "RL_CACHE_DIR": str(cache_root())}
+           "RL_CACHE_DIR": str(cache_root()),
+           # vLLM's ngram proposer runs numba's parallel loops; on numba's default (OpenMP)
+           # layer a training step in the same process took 4.7x as long after one ngram
+           # generate call. Its own thread pool leaves torch's alone.
+           "NUMBA_THREADING_LAYER": "workqueue"}
     malloc = cpu_malloc(cfg)
     if malloc:  # the workers start with it (a library missing on some node is skipped there)
         env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), malloc]))
