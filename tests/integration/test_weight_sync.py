@@ -94,11 +94,13 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
 
 
 @pytest.mark.parametrize("stage, dtype, tolerance, linear",
-                         [(2, "float32", 1e-3, "plain"), (3, "bfloat16", 5e-2, "repack")])
+                         [(2, "float32", 1e-3, "plain"), (3, "bfloat16", 5e-2, "repack"),
+                          (0, "float32", 1e-3, "repack")])
 def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, stage, dtype,
                                               tolerance, linear):
-    """ZeRO-2 keeps parameters whole on every rank (each rank writes an equal range of them into
-    the engines' shared weights); a bf16 trainer writes its bf16 shards into float32 engines.
+    """ZeRO-2 and stage 0 keep parameters whole on every rank (each rank writes an equal range of
+    them into the engines' shared weights); a bf16 trainer writes its bf16 shards into float32
+    engines.
     Engines with plain CPU linears compute straight from the weights written in place."""
     ray = ray_session
     with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
