@@ -6,7 +6,7 @@
 Each seed runs `rl-train recipes/quickstart.yaml run.seed=S` in a fresh process with an empty
 cache (so the model build and the warm-up are timed too), one seed after the other. Printed per
 seed: held-out greedy accuracy before step 1 and after the last, the last-10-step reward/mean,
-the wall time; written: docs/quickstart_seeds.png (reward/mean, smoothed, and held-out greedy
+the mean reward/mean of steps 101-300, the median step time, the wall time; written: docs/quickstart_seeds.png (reward/mean, smoothed, and held-out greedy
 accuracy against step, one colour per seed).
 """
 from __future__ import annotations
@@ -43,6 +43,9 @@ def figures(run_dir: Path) -> dict:
             "eval_first": evals[0]["eval/greedy_accuracy"],
             "eval_last": evals[-1]["eval/greedy_accuracy"],
             "reward_last10": sum(m["reward/mean"] for m in steps[-10:]) / 10,
+            "reward_101_300": (sum(m["reward/mean"] for m in steps[100:300]) / 200
+                               if len(steps) >= 300 else float("nan")),
+            "seconds_per_step": sorted(m["time/step"] for m in steps)[len(steps) // 2],
             "reward_step1": steps[0]["reward/mean"], "lines": lines}
 
 
@@ -98,11 +101,13 @@ def main() -> None:
             runs.append(run_dir)
     results = [figures(r) for r in runs]
     print("| seed | held-out greedy acc., step 0 | at the end | reward/mean step 1 | "
-          "last 10 steps | wall time |\n| --- | --- | --- | --- | --- | --- |")
+          "last 10 steps | mean of steps 101-300 | s/step (median) | wall time |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         wall = f"{walls[r['seed']]:.0f} s" if r["seed"] in walls else "-"
         print(f"| {r['seed']} | {r['eval_first']:.3f} | {r['eval_last']:.3f} | "
-              f"{r['reward_step1']:.3f} | {r['reward_last10']:.3f} | {wall} |")
+              f"{r['reward_step1']:.3f} | {r['reward_last10']:.3f} | {r['reward_101_300']:.3f} | "
+              f"{r['seconds_per_step']:.3f} | {wall} |")
     plot(results)
     print(f"\nwrote {PICTURE}")
 

