@@ -155,6 +155,18 @@ class Placement:
               + (" (sync.tolerance)" if self.cfg.sync.tolerance is not None else ""), flush=True)
         return {"sync/probe_noise": noise, "sync/tolerance": self.tolerance}
 
+    def sync_tolerance(self) -> float:
+        """The post-sync check's tolerance: as measured at start-up, or, for a placement that
+        never measured it (one driven by a test), the dtypes' uncalibrated default."""
+        import ray
+
+        from weight_sync.verify import probe_tolerance
+
+        if self.tolerance is None:
+            self.tolerance = probe_tolerance(self.cfg.trainer.dtype, ray.get(
+                self.engines[0].engine_dtype.remote()), self.cfg.sync.tolerance)
+        return self.tolerance
+
     def stop(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -190,7 +202,7 @@ class Colocated(Placement):
     def sync(self, version: int, probe: list[int]) -> dict:
         import ray
 
-        tolerance = self.cfg.sync.tolerance if self.tolerance is None else self.tolerance
+        tolerance = self.sync_tolerance()
         results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance)
                            for w in self.trainers])
         # the slowest rank's times; a path flag is 1 only if every rank took that path
@@ -286,7 +298,7 @@ class Disaggregated(Placement):
 
         import ray
 
-        from weight_sync.verify import check_logprobs, probe_tolerance
+        from weight_sync.verify import check_logprobs
 
         t0 = time.perf_counter()
         sync = self.cfg.sync
@@ -298,14 +310,9 @@ class Disaggregated(Placement):
         sent = ray.get(sends)[0]
         received = ray.get(receives)  # raises the first engine's WeightSyncError
         seconds = time.perf_counter() - t0
-        trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
-        engines = ray.get([e.score_tokens.remote(probe) for e in self.engines])
-        if self.tolerance is None:  # not measured (a placement driven by a test)
-            self.tolerance = probe_tolerance(self.cfg.trainer.dtype, ray.get(
-                self.engines[0].engine_dtype.remote()), sync.tolerance)
-        tolerance = self.tolerance
+        tolerance = self.sync_tolerance()
         diff = max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
-                   for i, lps in enumerate(engines))
+                   for i, (trainer, lps) in enumerate(self.probe_pairs(probe)))
         if self.streaming:  # checked: generation goes on under the new version
             ray.get([e.resume_stream.remote() for e in self.engines])
         return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
