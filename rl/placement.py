@@ -126,8 +126,14 @@ class Placement:
     def init_rollout(self, model_path: str, version: int) -> None:
         import ray
 
-        ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
-                 for e in self.engines])
+        modes = ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
+                                               version) for e in self.engines])
+        if self.engine_mode != modes[0]:  # said once per placement (checkpoint restores rebuild)
+            self.engine_mode = modes[0]
+            print(f"rollout engines: {len(modes)} x vLLM, model {modes[0]} (rollout.enforce_eager="
+                  f"{self.cfg.rollout.enforce_eager})", flush=True)
+
+    engine_mode: str | None = None  # "compiled" or "eager", once the engines are built
 
     tolerance: float | None = None  # the post-sync check's, once measured (measure_probe_noise)
 

@@ -268,7 +268,9 @@ class RolloutRole(Role):
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
-                     version: int = 0) -> None:
+                     version: int = 0) -> str:
+        """A new engine holding `version` (the weights at model_path); returns how it runs the
+        model: "compiled" or "eager" (rollout.enforce_eager)."""
         import gc
 
         from rollout.vllm_engine import VLLMEngine
@@ -281,6 +283,7 @@ class RolloutRole(Role):
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
+        return "eager" if self.engine.eager else "compiled"
 
     def _place_weights_directly(self) -> None:
         """Syncs copy each tensor into the engine's parameter when the engine keeps its weights
@@ -448,9 +451,10 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     # (weight_sync.shared_weights); None: not decided yet, False: not possible here
     shared_weights = None
 
-    def init_rollout(self, *args, **kwargs) -> None:
-        super().init_rollout(*args, **kwargs)
+    def init_rollout(self, *args, **kwargs) -> str:
+        mode = super().init_rollout(*args, **kwargs)
         self.shared_weights = None  # a new engine: decided again on the next sync
+        return mode
 
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],

