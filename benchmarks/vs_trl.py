@@ -22,7 +22,7 @@ Rows, run one after the other in fresh processes (never two at once: 2 cores):
             rollout.enforce_eager=true (what the compiled engine is worth). Presets say which
             rows run in which dtype.
 Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
-by 10-20% from step to step and from minute to minute, so the rows that the ratios compare
+by 10-25% from step to step and from minute to minute, so the rows that the ratios compare
 (rl-train, raw) run `repeats` times, alternating (rl-train, raw, rl-train, raw, ...): a row's
 figure is the median over all its timed steps, and each ratio is also printed per repeat (one
 rl-train run against the raw run right after it), which shows its spread. The smollm2 preset
