@@ -24,6 +24,9 @@ class RewardModelScorer:
         self.model.eval()
         self.batch_size, self.max_length = batch_size, max_length
 
+    def ready(self) -> bool:
+        return True
+
     def score(self, prompts: list[str], completions: list[str]) -> list[float]:
         import torch
 

@@ -86,7 +86,9 @@ class RewardScorer:
 
     @staticmethod
     def _start_reward_model(term: RewardTerm):
-        """The reward model in its own Ray actor (the controller's Ray session)."""
+        """The reward model in its own Ray actor (the controller's Ray session), loaded before
+        this returns: reward.timeout_s bounds scoring, not the actor's start-up, and a model
+        that cannot load stops the run here instead of giving every sample the fallback."""
         import ray
 
         from rewards.reward_model import RewardModelScorer
@@ -94,7 +96,14 @@ class RewardScorer:
         if "path" not in term.args:
             raise ValueError("reward term 'reward_model' needs args.path: a local directory of a "
                              "transformers sequence-classification model")
-        return ray.remote(num_cpus=0)(RewardModelScorer).remote(**term.args)
+        actor = ray.remote(num_cpus=0)(RewardModelScorer).remote(**term.args)
+        try:
+            ray.get(actor.ready.remote())
+        except ray.exceptions.RayActorError as e:
+            cause = getattr(e, "cause", None) or e
+            raise ValueError(f"reward term 'reward_model' (args.path={term.args['path']!r}) "
+                             f"did not load: {str(cause).strip().splitlines()[-1]}") from None
+        return actor
 
     def _calls(self, rows: list[dict], completions: list[str]):
         """(pool calls, [(term, sample indices)] they cover)."""

@@ -30,7 +30,9 @@ def test_reward_model_scores_a_batch(ray_session, classifier):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     term = RewardTerm(name="reward_model", args={"path": str(classifier), "batch_size": 2})
-    scorer = RewardScorer(RewardConfig(functions=[term]), "prompt")
+    # 2 s bound the scoring only: the actor's start-up (importing torch and transformers in a
+    # new process, loading the model) takes longer and must not count
+    scorer = RewardScorer(RewardConfig(functions=[term], timeout_s=2.0), "prompt")
     rows = [{"prompt": "What is 1 + 1?"}, {"prompt": "What is 2 + 2?"}, {"prompt": "Hi"}]
     completions = ["2", "5", "hello there"]
     try:
@@ -47,3 +49,12 @@ def test_reward_model_scores_a_batch(ray_session, classifier):
                   for r, c in zip(rows, completions)]
     assert totals == pytest.approx(direct, abs=1e-4)
     assert m["reward/reward_model/mean"] == pytest.approx(sum(direct) / 3, abs=1e-4)
+
+
+def test_a_reward_model_that_cannot_load_stops_at_start(ray_session, tmp_path):
+    """Not every sample scored with the fallback: one error naming the term and its path."""
+    (tmp_path / "config.json").write_text("{}")
+    term = RewardTerm(name="reward_model", args={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"reward term 'reward_model' \(args.path=.*\) did not "
+                                         r"load: .+"):
+        RewardScorer(RewardConfig(functions=[term]), "prompt")
