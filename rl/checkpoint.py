@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.config import Config, ConfigError, load_config
+from rl.errors import last_line
 
 # keys a resumed run may change: how long it runs and what it writes, not what a step computes
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.checkpoint_every", "trainer.keep_checkpoints",
@@ -268,7 +269,7 @@ def save(controller, step: int, metrics: dict) -> dict:
         raise  # an actor died: the controller's recovery handles it
     except (OSError, RuntimeError, ray.exceptions.RayError) as e:
         last = latest_checkpoint(run_dir)
-        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        cause = last_line(e)
         then = (f"the last complete one is {last.name}; resume with: "
                 f"{controller.resume_command(run_dir)}" if last else
                 "there is no complete checkpoint yet; start a new run")

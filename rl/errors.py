@@ -20,6 +20,12 @@ def death_cause(error) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
 
 
+def last_line(error) -> str:
+    """An exception's last line (Ray's errors end with the original one), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
 def prompt_error(e: Exception, cfg: Config) -> str:
     """One line for a data set the tokenizer cannot render (or that does not fit)."""
     text = str(e.args[0]) if e.args else str(e)

@@ -12,6 +12,7 @@ import re
 from rewards.pool import ERROR, OK, TIMEOUT, RewardPool
 from rewards.registry import is_batched, resolve, start_check_of
 from rl.config import ConfigError, RewardConfig, RewardTerm
+from rl.errors import last_line
 
 REWARD_MODEL = "reward_model"
 
@@ -80,15 +81,15 @@ class RewardScorer:
         self.batched = {i: is_batched(resolve(cfg.functions[i].name)) for i in self.fn_terms}
         self.models = {i: self._start_reward_model(t) for i, t in enumerate(cfg.functions)
                        if t.name == REWARD_MODEL}
+        for i, actor in self.models.items():  # all load at once; each is waited for here
+            self._wait_loaded(cfg.functions[i], actor)
         self.pool = RewardPool([cfg.functions[i].name for i in self.fn_terms], cfg.num_workers,
                                cfg.timeout_s) if self.fn_terms else None
         self._printed = False
 
     @staticmethod
     def _start_reward_model(term: RewardTerm):
-        """The reward model in its own Ray actor (the controller's Ray session), loaded before
-        this returns: reward.timeout_s bounds scoring, not the actor's start-up, and a model
-        that cannot load stops the run here instead of giving every sample the fallback."""
+        """The reward model in its own Ray actor (the controller's Ray session)."""
         import ray
 
         from rewards.reward_model import RewardModelScorer
@@ -96,14 +97,21 @@ class RewardScorer:
         if "path" not in term.args:
             raise ValueError("reward term 'reward_model' needs args.path: a local directory of a "
                              "transformers sequence-classification model")
-        actor = ray.remote(num_cpus=0)(RewardModelScorer).remote(**term.args)
+        return ray.remote(num_cpus=0)(RewardModelScorer).remote(**term.args)
+
+    @staticmethod
+    def _wait_loaded(term: RewardTerm, actor) -> None:
+        """Returns once the model has loaded: reward.timeout_s bounds scoring, not the actor's
+        start-up, and a model that cannot load stops the run here instead of giving every
+        sample the fallback."""
+        import ray
+
         try:
             ray.get(actor.ready.remote())
         except ray.exceptions.RayActorError as e:
-            cause = getattr(e, "cause", None) or e
             raise ValueError(f"reward term 'reward_model' (args.path={term.args['path']!r}) "
-                             f"did not load: {str(cause).strip().splitlines()[-1]}") from None
-        return actor
+                             f"did not load: {last_line(getattr(e, 'cause', None) or e)}"
+                             ) from None
 
     def _calls(self, rows: list[dict], completions: list[str]):
         """(pool calls, [(term, sample indices)] they cover)."""

@@ -1,5 +1,5 @@
 """The one line a dead actor gets: its cause, from Ray's error text."""
-from rl.errors import death_cause
+from rl.errors import death_cause, last_line
 
 
 class Died(Exception):
@@ -15,3 +15,9 @@ def test_death_cause_names_oom_and_signals():
                   "by SIGKILL")
     assert "SIGKILL" in death_cause(killed)
     assert death_cause(Died("")) == "Died"
+
+
+def test_last_line_is_the_original_error_or_the_type():
+    assert last_line(Died("ray::Scorer.__init__() failed\n  trace\nOSError: no such file\n")) \
+        == "OSError: no such file"
+    assert last_line(Died("")) == "Died"
