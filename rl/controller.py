@@ -36,12 +36,16 @@ def new_run_dir(cfg: Config) -> Path:
 
 class Controller:
     def __init__(self, cfg: Config, rows: list[dict] | None = None, resume=None,
-                 resume_command=lambda run_dir: f"rl-train RECIPE --resume {run_dir}"):
+                 resume_command=lambda run_dir: f"rl-train RECIPE --resume {run_dir}",
+                 placements=None):
         """rows: the data set, already through the rewards' start checks (rl-train does both
         before the heavy imports); None: setup loads and checks it. resume: an
         rl.checkpoint.ResumePoint to continue from (checked against cfg by the caller);
-        resume_command(run_dir): the command that resumes this run, for error messages."""
+        resume_command(run_dir): the command that resumes this run, for error messages.
+        placements: an rl.placement.PlacementPool to take the actors from and give them back
+        to (several runs in one driver); None: this run starts and stops its own."""
         self.cfg = cfg
+        self.placements = placements
         self.rows = rows
         self.resume = resume
         self.resume_command = resume_command
@@ -128,7 +132,8 @@ class Controller:
 
         cfg, span = self.cfg, self.spans.span
         with span("start placement"):
-            self.placement = start_placement(cfg)
+            self.placement = (self.placements.start(cfg) if self.placements is not None
+                              else start_placement(cfg))
         if cfg.warmup.sft_steps > 0 and not resume:
             with span("warm-up"):
                 model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer,
@@ -453,7 +458,7 @@ class Controller:
             self.scorer.close()
             self.scorer = None
         if self.placement is not None:
-            self.placement.stop()
+            self.placement.release()
             self.placement = None
 
     def run(self) -> Path:

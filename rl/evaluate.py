@@ -107,7 +107,7 @@ def evaluate_model(cfg, rows, model_dir: str, out_dir: Path | None = None) -> di
     from rl.config import ConfigError
     from rl.data import PromptSet
     from rl.errors import prompt_error
-    from rl.placement import start_placement, start_ray
+    from rl.placement import EnginesOnly, start_ray
     from rl.rewarding import RewardScorer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -119,7 +119,7 @@ def evaluate_model(cfg, rows, model_dir: str, out_dir: Path | None = None) -> di
     scorer = RewardScorer(cfg.reward, cfg.data.prompt_key)
     placement = None
     try:
-        placement = start_placement(cfg)
+        placement = EnginesOnly(cfg)  # the run's engines, without its trainers
         placement.init_rollout(str(Path(model_dir).resolve()), 0)
         metrics = Evaluator(prompts, scorer, cfg.trainer.eval_k, cfg.trainer.eval_threshold,
                             out_dir).run(placement.engines, 0, 0)

@@ -7,6 +7,7 @@ verified") and `stop()`.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -29,7 +30,9 @@ def cpu_malloc(cfg: Config) -> str | None:
     return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
+    """Join cfg's cluster, or start a local instance with num_cpus logical CPUs (None: the
+    machine's cores, or what cfg's placement reserves if that is more)."""
     import ray
 
     from rl.models import cache_root
@@ -53,8 +56,8 @@ def start_ray(cfg: Config) -> None:
         need = cfg.ray.num_workers * cfg.ray.num_cpus_per_worker
         if cfg.placement == "disaggregated":
             need += cfg.ray.num_rollout_workers * cfg.ray.num_cpus_per_rollout_worker
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                 runtime_env={"env_vars": env})
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(need)),
+                 include_dashboard=False, runtime_env={"env_vars": env})
 
 
 def _bundle(cpus: float, gpus: float, resources: dict) -> dict:
@@ -62,17 +65,17 @@ def _bundle(cpus: float, gpus: float, resources: dict) -> dict:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
 
 
-def _reserve(bundles: list[dict], what: str):
-    """A placement group of `bundles`, ready, or an error that says what to lower."""
+def _reserve(wanted: list[dict], what: str):
+    """A placement group of the `wanted` bundles, ready, or an error that says what to lower."""
     import ray
     from ray.util.placement_group import placement_group
 
-    pg = placement_group(bundles, strategy="PACK")
+    pg = placement_group(wanted, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(
-            f"Ray could not place {what} ({len(bundles)} bundles: {bundles}) in 300 s; the "
+            f"Ray could not place {what} ({len(wanted)} bundles: {wanted}) in 300 s; the "
             f"cluster has {ray.cluster_resources()}. Lower ray.num_workers / "
             f"ray.num_rollout_workers or the per-worker resources, or start nodes that offer "
             f"the custom resources ray.trainer_resources / ray.rollout_resources ask for.") from None
@@ -110,14 +113,67 @@ def _join_trainers(trainers: list) -> None:
     ray.get([w.init_distributed.remote(addr, port) for w in trainers])
 
 
+def bundles(cfg: Config) -> list[dict]:
+    """One Ray bundle per actor of cfg's placement: trainer ranks first, then engines."""
+    r = cfg.ray
+    out = [_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, r.trainer_resources)] * \
+        r.num_workers
+    if cfg.placement == "disaggregated":
+        out += [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                        r.rollout_resources)] * r.num_rollout_workers
+    return out
+
+
+def split_roles(cfg: Config) -> bool:
+    """Disaggregated on CPU: whether trainers and engines get cores of their own
+    (ray.split_cores; by default only in the async modes, where both work at once)."""
+    split = cfg.ray.split_cores
+    return split if split is not None else cfg.pipeline.mode != "sync"
+
+
+def placement_shape(cfg: Config) -> tuple:
+    """What a placement's actors are started with: their kinds, number, resources, cores and
+    concurrency, and the sync group's timeout. Runs whose configs agree here can run on the
+    same actors (PlacementPool); everything else is set per run (init_trainer, init_rollout)."""
+    shape = (cfg.placement, json.dumps(bundles(cfg), sort_keys=True))
+    if cfg.placement == "disaggregated":
+        shape += (split_roles(cfg), cfg.pipeline.mode == "sync", cfg.sync.timeout_s)
+    return shape
+
+
 class Placement:
     trainers: list
     engines: list
     streaming = False  # the engines generate in loops of their own (async pipeline modes)
+    pool: "PlacementPool | None" = None  # where `release` hands the actors back, if anywhere
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.pg = None
+
+    def actors(self) -> list:
+        """Every actor once (colocated, the trainers are the engines)."""
+        return list({id(a): a for a in self.trainers + self.engines}.values())
+
+    def rebind(self, cfg: Config) -> None:
+        """Serve a new run of the same shape: what was measured or decided for the last run's
+        config is forgotten (its models were freed by `release`)."""
+        self.cfg, self.tolerance, self.engine_mode, self.streaming = cfg, None, None, False
+
+    def release(self) -> None:
+        """The run is done with the placement: back to its pool with its models freed, or
+        stopped when it has none."""
+        if self.pool is None:
+            self.stop()
+            return
+        import ray
+
+        try:
+            ray.get([a.free_models.remote() for a in self.actors()], timeout=120)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            self.stop()  # an actor died or hangs: nothing to keep
+            return
+        self.pool.keep(self)
 
     @property
     def bucket_bytes(self) -> int:
@@ -177,7 +233,7 @@ class Placement:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for w in {id(a): a for a in self.trainers + self.engines}.values():
+        for w in self.actors():
             ray.kill(w)
         if self.pg is not None:
             remove_placement_group(self.pg)
@@ -192,9 +248,7 @@ class Colocated(Placement):
 
         super().__init__(cfg)
         r = cfg.ray
-        self.pg = _reserve([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker,
-                                    r.trainer_resources)] * r.num_workers,
-                           f"{r.num_workers} colocated workers")
+        self.pg = _reserve(bundles(cfg), f"{r.num_workers} colocated workers")
         self.trainers = _spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
                                r.num_gpus_per_worker)
         self.engines = self.trainers
@@ -227,15 +281,10 @@ class Disaggregated(Placement):
 
         super().__init__(cfg)
         r = cfg.ray
-        bundles = ([_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, r.trainer_resources)]
-                   * r.num_workers
-                   + [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
-                              r.rollout_resources)] * r.num_rollout_workers)
-        self.pg = _reserve(bundles, f"{r.num_workers} trainer ranks + {r.num_rollout_workers} "
-                                    f"rollout engines")
+        self.pg = _reserve(bundles(cfg), f"{r.num_workers} trainer ranks + "
+                                         f"{r.num_rollout_workers} rollout engines")
         trainer_cores = engine_cores = None
-        split = r.split_cores if r.split_cores is not None else cfg.pipeline.mode != "sync"
-        if split:  # both roles work at once: cores of their own
+        if split_roles(cfg):  # both roles work at once: cores of their own
             trainer_cores, engine_cores = split_cores(
                 r.num_workers * r.num_cpus_per_worker,
                 r.num_rollout_workers * r.num_cpus_per_rollout_worker)
@@ -332,8 +381,92 @@ class Disaggregated(Placement):
                    if k.startswith("sync/receive_")}}
 
 
+class EnginesOnly(Placement):
+    """The rollout engines of cfg's placement and nothing else, started as a run starts them
+    (the same number, resources, cores and seeds): for scoring a saved model (rl-eval), where
+    a trainer would only cost start-up (DeepSpeed, the trainer ranks' process group)."""
+
+    def __init__(self, cfg: Config):
+        from rl.worker import RolloutWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        if cfg.placement == "colocated":
+            count, cpus, gpus, cores = (r.num_workers, r.num_cpus_per_worker,
+                                        r.num_gpus_per_worker, None)
+            wanted = bundles(cfg)
+        else:
+            count, cpus, gpus = (r.num_rollout_workers, r.num_cpus_per_rollout_worker,
+                                 r.num_gpus_per_rollout_worker)
+            cores = split_cores(r.num_workers * r.num_cpus_per_worker,
+                                count * cpus)[1] if split_roles(cfg) else None
+            wanted = bundles(cfg)[r.num_workers:]
+        self.pg = _reserve(wanted, f"{count} rollout engines")
+        self.engines = _spawn(RolloutWorker, self.pg, 0, count, cpus, gpus, cores=cores)
+        self.trainers = []
+
+
 PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}
 
 
 def start_placement(cfg: Config) -> Placement:
     return PLACEMENTS[cfg.placement](cfg)
+
+
+class PlacementPool:
+    """Placements kept between runs in one driver (a sweep, a notebook, the tests), so that a
+    run whose placement shape (`placement_shape`) an earlier run had starts on its actors: no
+    new processes, imports, or process group (about 15 s of a tiny run's 30 s on 2 cores).
+    A kept placement holds no model (`Placement.release` frees them); the next run builds its
+    own trainers and engines as a new placement would. When a new shape does not fit beside
+    the kept ones, or more than `max_idle_actors` would be kept, the least recently used go."""
+
+    def __init__(self, max_idle_actors: int = 6):
+        self.max_idle_actors = max_idle_actors
+        self.idle: list[Placement] = []  # least recently used first
+
+    def start(self, cfg: Config) -> Placement:
+        """A placement for cfg: a kept one of its shape whose actors still answer, else new."""
+        shape = placement_shape(cfg)
+        for p in [p for p in self.idle if placement_shape(p.cfg) == shape]:
+            self.idle.remove(p)
+            if self._alive(p):
+                p.rebind(cfg)
+                return p
+            p.stop()
+        self._make_room(cfg)
+        placement = start_placement(cfg)
+        placement.pool = self
+        return placement
+
+    def keep(self, placement: Placement) -> None:
+        self.idle.append(placement)
+        while sum(len(p.actors()) for p in self.idle) > self.max_idle_actors:
+            self.idle.pop(0).stop()
+
+    def close(self) -> None:
+        """Stop every kept placement."""
+        while self.idle:
+            self.idle.pop().stop()
+
+    def _make_room(self, cfg: Config) -> None:
+        """Stop kept placements, oldest first, until Ray has the resources cfg's needs."""
+        import ray
+
+        need: dict[str, float] = {}
+        for bundle in bundles(cfg):
+            for k, v in bundle.items():
+                need[k] = need.get(k, 0.0) + v
+        while self.idle and any(ray.available_resources().get(k, 0.0) < v - 1e-9
+                                for k, v in need.items()):
+            self.idle.pop(0).stop()
+
+    @staticmethod
+    def _alive(placement: Placement) -> bool:
+        import ray
+
+        try:
+            ray.get([a.hostname.remote() for a in placement.actors()], timeout=60)
+            return True
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False

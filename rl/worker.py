@@ -27,6 +27,18 @@ def phase_seconds(stats, prefix: str = "") -> dict:
     return {f"sync/{prefix}{phase}_seconds": s for phase, s in stats.seconds.items()}
 
 
+def release_free_memory() -> None:
+    """Hand memory the process freed back to the system: tcmalloc (ray.cpu_malloc) and glibc
+    both keep freed pages for reuse, so a kept actor would go on holding a freed KV cache."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "MallocExtension_ReleaseFreeMemory"):  # tcmalloc
+        libc.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
+
+
 class Role:
     """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
 
@@ -65,6 +77,15 @@ class Role:
         from rl.checkpoint import set_rng_state
 
         set_rng_state(state)
+
+    def free_models(self) -> None:
+        """Drop this role's models (the placement is kept for a later run, rl.placement's
+        PlacementPool); the next init_trainer / init_rollout builds new ones."""
+        import gc
+
+        self.spans = Spans()  # recording, as in a new actor
+        gc.collect()
+        release_free_memory()
 
     def drain_spans(self, keep_recording: bool = True) -> list:
         """The spans recorded since the last call; stop recording when told to."""
@@ -174,6 +195,11 @@ class TrainerRole(Role):
 
             self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
 
+    def free_models(self) -> None:
+        # the shared-memory slots are decided again for the next trainer
+        self.trainer = self.critic = self.shared_slots = self.engine_layout = None
+        super().free_models()
+
     @traced("prepare")
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Old (and reference) logprobs, and critic values, of each micro-batch."""
@@ -275,15 +301,26 @@ class RolloutRole(Role):
 
         from rollout.vllm_engine import VLLMEngine
 
-        self.stop_stream()
         # an engine in this process tears down vLLM's process-wide parallel state when it goes:
         # let the old one go before the new one sets that state up
-        self.engine = None
+        self.close_engine()
         gc.collect()
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
+
+    def close_engine(self) -> None:
+        """Stop the generation loop and shut the engine down (keeping a colocated trainer's
+        process group: rollout.vllm_engine.VLLMEngine.close)."""
+        self.stop_stream()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.policy_version = self.packed = None
+
+    def free_models(self) -> None:
+        self.close_engine()
+        super().free_models()
 
     def _place_weights_directly(self) -> None:
         """Syncs copy each tensor into the engine's parameter when the engine keeps its weights
@@ -455,6 +492,10 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         mode = super().init_rollout(*args, **kwargs)
         self.shared_weights = None  # a new engine: decided again on the next sync
         return mode
+
+    def free_models(self) -> None:
+        self.shared_weights = None
+        super().free_models()
 
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
