@@ -1,4 +1,5 @@
-"""Every recipe runs 2 RL steps end to end on the real engines (tiny model, shared Ray)."""
+"""Every recipe runs 2 RL steps end to end on the real engines (tiny model, shared Ray, actors
+kept between recipes of the same placement shape)."""
 import json
 import math
 from pathlib import Path
@@ -7,6 +8,8 @@ import pytest
 
 from rl.config import load_config
 from rl.controller import Controller
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 ROOT = Path(__file__).parents[2]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
@@ -20,27 +23,13 @@ REAL_MODEL = {"smollm2_chain_sum.yaml"}
 RECIPES = [r for r in RECIPES if r not in REAL_MODEL]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    import os
-
-    path = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("RL_CACHE_DIR")
-    os.environ["RL_CACHE_DIR"] = str(path)  # the driver builds the model and warm-up here
-    yield path
-    if old is None:
-        os.environ.pop("RL_CACHE_DIR")
-    else:
-        os.environ["RL_CACHE_DIR"] = old
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_two_steps(recipe, ray_session, cache, tmp_path):
+def test_recipe_runs_two_steps(recipe, placements, tmp_path):
     # fully async, the last step stops the streaming engines for the final evaluation
     held_out = ["data.eval_fraction=0.2", "trainer.eval_k=2"] if "fully_async" in recipe else []
     cfg = load_config(str(ROOT / "recipes" / recipe),
                       SMALL + held_out + [f"run.output_dir={tmp_path}"])
-    run_dir = Controller(cfg).run()
+    run_dir = Controller(cfg, placements=placements).run()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if cfg.data.eval_fraction or cfg.data.eval_path:  # the base model's and the last evaluation
         assert lines[0]["step"] == 0 and "eval/greedy_accuracy" in lines[0]

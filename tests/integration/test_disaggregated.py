@@ -11,27 +11,28 @@ import torch
 from rl.batch import Sample, collate
 from rl.config import load_config
 from rl.models import build_tiny_model
-from rl.placement import Disaggregated
 from update.losses import BatchCounts
 from weight_sync.transport import WeightSyncError
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 SMALL_RAY = ["ray.num_workers=2", "ray.num_rollout_workers=2", "ray.num_cpus_per_worker=0.5",
              "ray.num_cpus_per_rollout_worker=0.5"]
 
 
 @pytest.fixture(scope="module")
-def pools(ray_session, tmp_path_factory):
+def pools(ray_session, placements, tmp_path_factory):
     cfg = load_config(None, SMALL_RAY + ["placement=disaggregated", "trainer.lr=0.05",
                                          "trainer.micro_batch_size=4", "sync.bucket_mb=0.05"])
     path = str(build_tiny_model("tiny-llama-tied", seed=1,
                                 out_dir=tmp_path_factory.mktemp("m") / "tied"))
-    placement = Disaggregated(cfg)
+    placement = placements.start(cfg)
     ray = ray_session
     ray.get([t.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
              for t in placement.trainers])
     placement.init_rollout(path, version=0)
     yield ray, placement
-    placement.stop()
+    placement.release()
 
 
 def engine_diffs(ray, placement, probe):

@@ -9,6 +9,8 @@ import pytest
 from rl.config import load_config
 from rl.controller import Controller
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 ROOT = Path(__file__).parents[2]
 OVERRIDES = ["trainer.total_steps=3", "rollout.prompts_per_step=8", "rollout.n=4",
              "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32",
@@ -20,24 +22,14 @@ COMPARED = ["reward/mean", "reward/std", "loss/policy", "kl/mean", "response/len
 
 
 @pytest.fixture(scope="module")
-def runs(ray_session, tmp_path_factory):
-    import os
-
+def runs(placements, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    old = os.environ.get("RL_CACHE_DIR")
-    os.environ["RL_CACHE_DIR"] = str(tmp / "cache")
-    try:
-        out = {}
-        for placement in ("colocated", "disaggregated"):
-            cfg = load_config(str(ROOT / "recipes" / "quickstart.yaml"), OVERRIDES + [
-                f"placement={placement}", f"run.output_dir={tmp}", f"run.name={placement}"])
-            out[placement] = Controller(cfg).run()
-        return out
-    finally:
-        if old is None:
-            os.environ.pop("RL_CACHE_DIR")
-        else:
-            os.environ["RL_CACHE_DIR"] = old
+    out = {}
+    for placement in ("colocated", "disaggregated"):
+        cfg = load_config(str(ROOT / "recipes" / "quickstart.yaml"), OVERRIDES + [
+            f"placement={placement}", f"run.output_dir={tmp}", f"run.name={placement}"])
+        out[placement] = Controller(cfg, placements=placements).run()
+    return out
 
 
 def lines(run_dir, name):

@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 
 def test_vllm_and_transformers_import_together():
     code = ("import vllm; from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, "

@@ -1,7 +1,7 @@
-"""The asynchronous pipeline on the real stack (disaggregated: one ZeRO-3 trainer rank, one
-vLLM engine streaming in a loop of its own, Ray): the staleness bound under a slow trainer, a
-sequence interrupted by a sync carrying tokens of two versions each with its own behavior
-logprob, and a corrupted sync that stops generation until a sync repairs it."""
+"""The asynchronous pipeline on the real stack (disaggregated as in quickstart_fully_async: two
+ZeRO-3 trainer ranks, one vLLM engine streaming in a loop of its own, Ray): the staleness bound
+under a slow trainer, a sequence interrupted by a sync carrying tokens of two versions each with
+its own behavior logprob, and a corrupted sync that stops generation until a sync repairs it."""
 import time
 from pathlib import Path
 
@@ -11,25 +11,40 @@ from rl.batch import Sample, collate
 from rl.config import load_config
 from rl.controller import Controller
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 ROOT = Path(__file__).parents[2]
 OVERRIDES = ["warmup.sft_steps=0", "rollout.prompts_per_step=8", "rollout.n=4",
-             "ray.num_workers=1", "trainer.micro_batch_size=32", "ray.num_cpus_per_worker=0.5",
+             "trainer.micro_batch_size=32", "ray.num_cpus_per_worker=0.5",
              "ray.num_cpus_per_rollout_worker=0.5", "run.timeline_steps=0"]
 LONG = 200  # tokens of the sequences the tests cut (the tiny model rarely stops early)
 
 
-def controller_for(tmp, name: str, *extra: str) -> Controller:
+def controller_for(placements, tmp, name: str, *extra: str) -> Controller:
     cfg = load_config(str(ROOT / "recipes" / "quickstart_fully_async.yaml"), OVERRIDES + [
         f"run.output_dir={tmp}", f"run.name={name}", *extra])
-    c = Controller(cfg)
+    c = Controller(cfg, placements=placements)
     c.setup()
     return c
 
 
+# first: it takes the placement the module's async run then keeps for its tests
+def test_one_step_trains_every_batch_one_version_old(placements, tmp_path):
+    c = controller_for(placements, tmp_path, "one_step", "pipeline.mode=one_step",
+                       "rollout.max_new_tokens=8")
+    try:
+        metrics = [c.step(k) for k in range(1, 4)]
+    finally:
+        c.shutdown()
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["rollout/policy_version"] for m in metrics] == [0.0, 0.0, 1.0]
+    assert all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in metrics)
+
+
 @pytest.fixture(scope="module")
-def async_run(ray_session, tmp_path_factory):
+def async_run(placements, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    c = controller_for(tmp, "fully_async", "pipeline.max_staleness=1",
+    c = controller_for(placements, tmp, "fully_async", "pipeline.max_staleness=1",
                        f"rollout.max_new_tokens={LONG}", "rollout.max_model_len=512")
     yield c
     c.shutdown()
@@ -89,7 +104,9 @@ def trainer_diffs(c: Controller, prompt: list[int], comp: dict, version: int) ->
     """|behavior logprob - the trainer's now| of the completion's tokens of `version`."""
     import ray
 
-    trainer = ray.get(c.trainers[0].trainer_logprobs.remote(prompt + comp["token_ids"]))
+    # a collective under ZeRO-3: every trainer rank scores it
+    trainer = ray.get([t.trainer_logprobs.remote(prompt + comp["token_ids"])
+                       for t in c.trainers])[0]
     own = trainer[len(prompt) - 1:]  # token by token
     return [abs(a - b) for a, b, ver in zip(comp["logprobs"], own, comp["versions"])
             if ver == version]
@@ -168,15 +185,3 @@ def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
     comp = collect_group(engine, key)["completions"][0]
     after = trainer_diffs(c, prompt, comp, v + 1)
     assert after and max(after) < 1e-3  # no token came from the corrupted weights
-
-
-def test_one_step_trains_every_batch_one_version_old(ray_session, tmp_path):
-    c = controller_for(tmp_path, "one_step", "pipeline.mode=one_step",
-                       "rollout.max_new_tokens=8")
-    try:
-        metrics = [c.step(k) for k in range(1, 4)]
-    finally:
-        c.shutdown()
-    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
-    assert [m["rollout/policy_version"] for m in metrics] == [0.0, 0.0, 1.0]
-    assert all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in metrics)

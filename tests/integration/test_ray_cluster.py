@@ -11,7 +11,6 @@ left behind and no restart. Everything made here is removed at the end.
 """
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.procs import processes, with_descendants
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 ROOT = Path(__file__).parents[2]
 HEAD_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"
@@ -49,7 +50,7 @@ class TwoNodes:
         self.ray_dirs = {role: Path(f"/tmp/{tag}-ray-{role}") for role in ("head", "worker")}
         self.hosts = {"head": f"{tag}-head", "worker": f"{tag}-work"}
         self.nodes: dict[str, subprocess.Popen] = {}
-        token = tmp / "auth_token"  # Ray 2.60 clusters take a shared token
+        self.token = token = tmp / "auth_token"  # Ray 2.60 clusters take a shared token
         token.write_text(secrets.token_hex(16))
         self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                         RL_CACHE_DIR=str(tmp / "cache"), RAY_USAGE_STATS_ENABLED="0",
@@ -94,31 +95,37 @@ class TwoNodes:
         return subprocess.run(["ip", "netns", "exec", self.head_ns, *args], env=self.env,
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
+    def api(self, path: str) -> dict | None:
+        """GET the head's dashboard REST API (with the cluster's token), from inside the head's
+        namespace; None while nothing answers. curl, not the Ray CLI: a CLI call costs ~2 s of
+        CPU, and polls every few seconds took that from the run under test."""
+        out = self.in_head("curl", "-sf", "-m", "10", "-H",
+                           f"Authorization: Bearer {self.token.read_text().strip()}",
+                           f"http://{HEAD_IP}:{DASHBOARD_PORT}{path}")
+        return json.loads(out.stdout) if out.returncode == 0 and out.stdout else None
+
     def wait_for_nodes(self, count: int, timeout: float = 120) -> None:
         deadline = time.time() + timeout
+        alive = []
         while time.time() < deadline:
-            out = self.in_head("ray", "status", "--address", f"{HEAD_IP}:{GCS_PORT}")
-            if out.returncode == 0 and out.stdout.count(" node_") >= count:
+            found = self.api("/nodes?view=summary")
+            alive = [n for n in (found or {}).get("data", {}).get("summary", [])
+                     if n.get("raylet", {}).get("state") == "ALIVE"]
+            if len(alive) >= count:
                 return
             for role, proc in self.nodes.items():
                 assert proc.poll() is None, (role, (self.tmp / f"{role}.log").read_text()[-3000:])
-            time.sleep(2)
-        raise AssertionError(f"the cluster did not reach {count} nodes: {out.stdout}{out.stderr}")
+            time.sleep(1)
+        raise AssertionError(f"the cluster did not reach {count} nodes: {alive}")
 
     def job(self, command: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return self.in_head("ray", "job", command, "--address",
                             f"http://{HEAD_IP}:{DASHBOARD_PORT}", *args, timeout=timeout)
 
     def job_status(self, job_id: str) -> str:
-        out = self.job("status", job_id)
-        text = out.stdout + out.stderr
-        for pattern, status in ((r"Job '[^']+' succeeded", "SUCCEEDED"),
-                                (r"Job '[^']+' was stopped", "STOPPED"),
-                                (r"Job '[^']+' failed", "FAILED")):
-            if re.search(pattern, text):
-                return status
-        found = re.search(r"Status for job '[^']+': (\w+)", text)
-        return found.group(1) if found else text
+        """PENDING, RUNNING, STOPPED, SUCCEEDED or FAILED (the Jobs REST API's status)."""
+        job = self.api(f"/api/jobs/{job_id}")
+        return job["status"] if job else "UNKNOWN (the dashboard did not answer)"
 
     def wait_job(self, job_id: str, timeout: float = 300) -> str:
         deadline = time.time() + timeout
@@ -126,11 +133,12 @@ class TwoNodes:
             status = self.job_status(job_id)
             if status in ("SUCCEEDED", "FAILED", "STOPPED"):
                 return status
-            time.sleep(3)
+            time.sleep(1)
         return "TIMEOUT"
 
     def logs(self, job_id: str) -> str:
-        return self.job("logs", job_id).stdout
+        found = self.api(f"/api/jobs/{job_id}/logs")
+        return found["logs"] if found else ""
 
     def remove(self) -> None:
         for proc in self.nodes.values():
@@ -144,13 +152,16 @@ class TwoNodes:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run_processes() -> dict[int, str]:
+def run_processes(nodes: "TwoNodes") -> dict[int, str]:
     """{pid: command} of the run's live processes: the job's entrypoint (rl-train), its actors,
-    and every descendant of either (reward workers, sandboxes); zombies do not count."""
+    and every descendant of either (reward workers, sandboxes); zombies do not count. Only the
+    two nodes' processes are searched (everything the cluster starts stays below them, in their
+    PID namespaces): not the processes of other tests on this machine."""
     procs = processes()
+    node = with_descendants({p.pid for p in nodes.nodes.values()}, procs)
     # not the Ray CLI calls of this test, which name rl-train in their arguments
-    run = {pid for pid, (_, _, args) in procs.items()
-           if any(name in args for name in ACTOR_NAMES) and "bin/ray job " not in args}
+    run = {pid for pid in node if any(name in procs[pid][2] for name in ACTOR_NAMES)
+           and "bin/ray job " not in procs[pid][2]}
     return {pid: procs[pid][2] for pid in with_descendants(run, procs) if procs[pid][1] != "Z"}
 
 
@@ -221,7 +232,7 @@ def test_job_stop_ends_the_run_and_leaves_nothing(cluster, tmp_path):
         assert time.time() < deadline and cluster.job_status("rl-stopped") in ("RUNNING", "PENDING"), \
             cluster.logs("rl-stopped")[-4000:]
         time.sleep(2)
-    before = run_processes()
+    before = run_processes(cluster)
     names = " ".join(before.values())
     assert "rl-train" in names and "ray::TrainerWorker" in names and "ray::RolloutWorker" in names, \
         before
@@ -231,9 +242,9 @@ def test_job_stop_ends_the_run_and_leaves_nothing(cluster, tmp_path):
     # a deliberate stop: rl-train took SIGTERM like Ctrl-C, not as a crash
     assert "rl-train: stopped by a signal" in cluster.logs("rl-stopped")
     deadline = time.time() + 60
-    while run_processes() and time.time() < deadline:
+    while run_processes(cluster) and time.time() < deadline:
         time.sleep(1)
-    assert not run_processes(), run_processes()
+    assert not run_processes(cluster), run_processes(cluster)
     now = processes()
     left = [pid for pid in before if pid in now and now[pid][1] != "Z"]
     assert not left, {pid: before[pid] for pid in left}

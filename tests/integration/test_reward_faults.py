@@ -2,8 +2,12 @@
 the run completes, the failure counters match the samples, and the other term is unharmed."""
 import json
 
+import pytest
+
 from rl.config import load_config
 from rl.controller import Controller
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 FLAKY = '''
 import math, time
@@ -25,8 +29,7 @@ def kind(completion):
     return sum(map(ord, completion)) % 5
 
 
-def test_run_survives_a_faulty_reward(ray_session, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path / "cache"))
+def test_run_survives_a_faulty_reward(placements, tmp_path, capsys):
     plugin = tmp_path / "flaky.py"
     plugin.write_text(FLAKY)
     recipe = tmp_path / "r.yaml"
@@ -42,8 +45,8 @@ reward:
     cfg = load_config(str(recipe), [
         f"run.output_dir={tmp_path}", "run.log_samples=-1", "trainer.total_steps=2",
         "rollout.prompts_per_step=8", "rollout.n=4", "trainer.micro_batch_size=8",
-        "rollout.max_new_tokens=6"])
-    run_dir = Controller(cfg).run()
+        "rollout.max_new_tokens=6", "ray.num_cpus_per_worker=0.5"])
+    run_dir = Controller(cfg, placements=placements).run()
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]

@@ -7,6 +7,8 @@ import torch
 from rl.config import RewardConfig, RewardTerm
 from rl.rewarding import RewardScorer
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):

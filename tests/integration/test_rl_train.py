@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 ROOT = Path(__file__).parents[2]
 REQUIRED = ["step", "reward/mean", "reward/std", "loss/policy", "kl/mean", "time/rollout",
             "time/reward", "time/update", "time/sync", "throughput/tokens_per_s",

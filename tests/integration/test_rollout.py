@@ -2,12 +2,14 @@
 speculative decoding keeps logprobs exact, per-sample structured outputs, prefix-cache hit rate
 and its reset after a weight sync, reproducible seeds."""
 import json
+from contextlib import contextmanager
 
 import pytest
 
 from rl.config import load_config
 from rl.models import build_tiny_model
-from rl.placement import Colocated
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 PROMPT_TEXT = "What is 12 + 7? Reply with the number only. " * 6  # > one 32-token block
 
@@ -20,25 +22,21 @@ def model_and_tokenizer(tmp_path_factory):
     return path, AutoTokenizer.from_pretrained(path)
 
 
-def worker(ray, cfg, path, with_trainer):
-    placement = Colocated(cfg)
-    w = placement.trainers[0]
-    if with_trainer:
-        ray.get(w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0))
-    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
-    return w, placement
-
-
 PLAIN = ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4",
          "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "trainer.micro_batch_size=4"]
 
 
 @pytest.fixture(scope="module")
-def plain(ray_session, model_and_tokenizer):
+def plain(ray_session, placements, model_and_tokenizer):
+    """One colocated worker (from the session's pool): a trainer and an engine on the model."""
+    ray, path = ray_session, model_and_tokenizer[0]
     cfg = load_config(None, PLAIN)
-    w, handle = worker(ray_session, cfg, model_and_tokenizer[0], with_trainer=True)
-    yield ray_session, w
-    handle.stop()
+    placement = placements.start(cfg)
+    w = placement.trainers[0]
+    ray.get(w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0))
+    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
+    yield ray, w
+    placement.release()
 
 
 def prompt_ids(tok, text=PROMPT_TEXT):
@@ -46,53 +44,57 @@ def prompt_ids(tok, text=PROMPT_TEXT):
                                    add_generation_prompt=True, tokenize=True)["input_ids"]
 
 
+@contextmanager
+def engine_as(ray, w, path: str, cfg):
+    """The module's worker `w` with an engine built for `cfg` instead of its own; its own again
+    after (its trainer stays)."""
+    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
+    try:
+        yield w
+    finally:
+        ray.get(w.init_rollout.remote(path, load_config(None, PLAIN).rollout, 0))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, tmp_path):
     """Greedy output with speculation equals greedy output without it (rejection sampling keeps
     the target distribution), and the returned logprobs are the target model's."""
-    ray, reference = plain
+    ray, w = plain
     path, tok = model_and_tokenizer
-    common = ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=1",
-              "algorithm.advantage=reinforce_pp", "rollout.max_new_tokens=16",
+    common = ["rollout.n=1", "algorithm.advantage=reinforce_pp", "rollout.max_new_tokens=16",
               "rollout.prompts_per_step=2", "rollout.temperature=0.0"]
     extra = [f"rollout.speculative_method={method}", "rollout.num_speculative_tokens=3"]
     if method == "draft":
         draft = build_tiny_model("tiny-qwen2", seed=9, out_dir=tmp_path / "draft")
         extra.append(f"rollout.draft_model={draft}")
-    spec, spec_handle = worker(ray, load_config(None, common + extra), path, with_trainer=False)
-    greedy, greedy_handle = worker(ray, load_config(None, common), path, with_trainer=False)
-    try:
-        prompts = [prompt_ids(tok), prompt_ids(tok, "Say 5 5 5 5 5 5 5 5")]
+    prompts = [prompt_ids(tok), prompt_ids(tok, "Say 5 5 5 5 5 5 5 5")]
+    with engine_as(ray, w, path, load_config(None, common + extra)) as spec:
         out = ray.get(spec.generate.remote(prompts, [1, 2]))
+    with engine_as(ray, w, path, load_config(None, common)) as greedy:  # also the reference
         base = ray.get(greedy.generate.remote(prompts, [1, 2]))
         assert 0.0 <= out["stats"]["rollout/spec_accept_rate"] <= 1.0
         for p, group, base_group in zip(prompts, out["groups"], base["groups"]):
             c = group[0]
             assert c["token_ids"] == base_group[0]["token_ids"]
-            exact = ray.get(reference.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
+            exact = ray.get(greedy.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
             assert len(exact) == len(c["logprobs"])
             assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
-    finally:
-        spec_handle.stop()
-        greedy_handle.stop()
 
 
 def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_and_tokenizer):
     """Sampling (temperature 1) with ngram speculation: every returned logprob is the target
     model's logprob of that token."""
-    ray, reference = plain
+    ray, w = plain
     path, tok = model_and_tokenizer
-    cfg = load_config(None, ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4", "rollout.max_new_tokens=16",
+    cfg = load_config(None, ["rollout.n=4", "rollout.max_new_tokens=16",
                              "rollout.prompts_per_step=2", "rollout.speculative_method=ngram"])
-    spec, handle = worker(ray, cfg, path, with_trainer=False)
-    try:
-        prompts = [prompt_ids(tok, "Say 5 5 5 5 5 5 5 5"), prompt_ids(tok)]
-        for p, group in zip(prompts, ray.get(spec.generate.remote(prompts, [3, 4]))["groups"]):
-            for c in group:
-                exact = ray.get(reference.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
-                assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
-    finally:
-        handle.stop()
+    prompts = [prompt_ids(tok, "Say 5 5 5 5 5 5 5 5"), prompt_ids(tok)]
+    with engine_as(ray, w, path, cfg) as spec:
+        groups = ray.get(spec.generate.remote(prompts, [3, 4]))["groups"]
+    for p, group in zip(prompts, groups):  # scored by the module's own engine
+        for c in group:
+            exact = ray.get(w.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
+            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) < 1e-4
 
 
 def test_structured_outputs_per_sample(plain, model_and_tokenizer):
@@ -161,13 +163,11 @@ def test_texts_decoded_at_the_end_equal_vllms_own_detokenization(ray_session, pl
     path, tok = model_and_tokenizer
     prompts = [prompt_ids(tok, f"Say something about {i}") for i in range(6)]
     cfg = load_config(None, ["rollout.n=4", "rollout.max_new_tokens=12", "rollout.temperature=1.5"])
-    ray.get(w.init_rollout.remote(path, cfg.rollout, 0))
-    decoded = ray.get(w.generate.remote(prompts, list(range(6))))["groups"]
-    ray.get(w.init_rollout.remote(path, replace(cfg.rollout, stop=["@@@never@@@"]), 0))
-    try:
-        detokenized = ray.get(w.generate.remote(prompts, list(range(6))))["groups"]
-    finally:  # the module's worker goes back to its own engine
-        ray.get(w.init_rollout.remote(path, load_config(None, PLAIN).rollout, 0))
+    with engine_as(ray, w, path, cfg) as plain_engine:
+        decoded = ray.get(plain_engine.generate.remote(prompts, list(range(6))))["groups"]
+    with engine_as(ray, w, path, replace(cfg, rollout=replace(cfg.rollout,
+                                                                stop=["@@@never@@@"]))) as stops:
+        detokenized = ray.get(stops.generate.remote(prompts, list(range(6))))["groups"]
     pairs = [(a, b) for ga, gb in zip(decoded, detokenized) for a, b in zip(ga, gb)]
     assert all(a["token_ids"] == b["token_ids"] for a, b in pairs)
     assert sum(bool(a["text"].strip()) for a, _ in pairs) > 12  # real text to compare

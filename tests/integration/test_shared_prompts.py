@@ -5,6 +5,8 @@ import pytest
 
 from tests.spawn import spawn_world
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 
 def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
     import random

@@ -7,34 +7,38 @@ import torch
 
 from rl.batch import Sample, collate
 from rl.config import load_config
-from rl.placement import Colocated
 from rl.models import build_tiny_model
 from update.losses import BatchCounts
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
 
 @contextmanager
-def colocated(ray, tmp_path_factory, preset: str, seed: int, *overrides: str):
-    """2 colocated workers (0.5 CPU each), trainer and engine started from a fresh tiny model;
-    yields (workers, cfg, placement) and stops them after."""
+def colocated(placements, tmp_path_factory, preset: str, seed: int, *overrides: str):
+    """2 colocated workers (0.5 CPU each, from the session's pool), trainer and engine started
+    from a fresh tiny model; yields (workers, cfg, placement, model path) and releases them
+    after."""
     cfg = load_config(None, ["ray.num_workers=2", "ray.num_cpus_per_worker=0.5", "trainer.lr=0.05",
                              "trainer.micro_batch_size=4", *overrides])
     path = str(build_tiny_model(preset, seed=seed, out_dir=tmp_path_factory.mktemp("m") / "m"))
-    placement = Colocated(cfg)
+    import ray
+
+    placement = placements.start(cfg)
     try:
         workers = placement.trainers
         ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
                  for w in workers])
         ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
-        yield workers, cfg, placement
+        yield workers, cfg, placement, path
     finally:
-        placement.stop()
+        placement.release()
 
 
-@pytest.fixture(scope="module")
-def tied_workers(ray_session, tmp_path_factory):
-    with colocated(ray_session, tmp_path_factory, "tiny-llama-tied", 1,
-                   "sync.bucket_mb=0.05") as (workers, cfg, _):
-        yield ray_session, workers, cfg
+@pytest.fixture
+def tied_workers(ray_session, placements, tmp_path_factory):
+    with colocated(placements, tmp_path_factory, "tiny-llama-tied", 1,
+                   "sync.bucket_mb=0.05") as (workers, cfg, _, path):
+        yield ray_session, workers, cfg, path
 
 
 def max_diffs(ray, workers, probe):
@@ -59,7 +63,7 @@ def update_once(ray, workers):
 
 
 def test_sync_round_trip_tied_embeddings(tied_workers):
-    ray, workers, cfg = tied_workers
+    ray, workers, cfg, _ = tied_workers
     probe = list(range(3, 60))
     assert max(max_diffs(ray, workers, probe)) < 1e-3  # same checkpoint on both sides
 
@@ -75,14 +79,29 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
     assert max(max_diffs(ray, workers, probe)) <= 1e-3
 
 
-def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_factory):
+def test_an_engine_rebuilt_beside_its_trainer_leaves_the_trainers_process_group(tied_workers):
+    """vLLM's engine shutdown (also when an engine is collected) destroys the process's default
+    process group, which in a colocated worker is its DeepSpeed ranks' (VLLMEngine.close keeps
+    it): after the engines are rebuilt on the base model, the trainers still run ZeRO-3
+    collectives (the probe's forward) and a sync brings the engines back to the trainers'."""
+    ray, workers, cfg, path = tied_workers
+    probe = list(range(3, 60))
+    update_once(ray, workers)
+    ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+    assert min(max_diffs(ray, workers, probe)) > 1e-3  # base weights again, trainers moved on
+    stats = ray.get([w.sync_weights.remote(1, int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
+                     for w in workers])
+    assert all(s["sync/logprob_max_abs_diff"] <= 1e-3 for s in stats)
+
+
+def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, placements, tmp_path_factory):
     """rollout.cpu_linear=packed: vLLM's oneDNN-packed weights cannot be copied into, so the
     engines cannot share them either: the 2 ranks assemble buckets in shared memory, and each
     engine takes copies of them through vLLM's layerwise reload; it must still reach the
     trainer's logprobs."""
     ray = ray_session
-    with colocated(ray, tmp_path_factory, "tiny-qwen2", 2, "rollout.cpu_linear=packed") as (
-            workers, cfg, _):
+    with colocated(placements, tmp_path_factory, "tiny-qwen2", 2, "rollout.cpu_linear=packed") as (
+            workers, cfg, _, _):
         probe = list(range(3, 60))
         update_once(ray, workers)
         assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update moved the policy
@@ -97,8 +116,8 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, tmp_path_fact
                          [(2, "float32", 1e-3, "plain", True), (3, "bfloat16", 5e-2, "repack", True),
                           (0, "float32", 1e-3, "repack", True),
                           (3, "float32", 1e-3, "repack", False)])
-def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, stage, dtype,
-                                              tolerance, linear, eager):
+def test_sync_from_other_zero_stages_and_bf16(ray_session, placements, tmp_path_factory, stage,
+                                              dtype, tolerance, linear, eager):
     """ZeRO-2 and stage 0 keep parameters whole on every rank (each rank writes an equal range of
     them into the engines' shared weights); a bf16 trainer writes its bf16 shards into float32
     engines.
@@ -106,10 +125,10 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, tmp_path_factory, sta
     compiled engine (enforce_eager=false: vLLM's inductor graph) reads the parameters it was
     traced with, rebound to the shared copy and re-packed after the write, on every call."""
     ray = ray_session
-    with colocated(ray, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
+    with colocated(placements, tmp_path_factory, "tiny-qwen2", 3, f"trainer.zero_stage={stage}",
                    f"trainer.dtype={dtype}", "sync.bucket_mb=0.05",
                    f"rollout.cpu_linear={linear}", f"rollout.enforce_eager={eager}") as (
-            workers, cfg, _):
+            workers, cfg, _, _):
         assert ray.get(workers[0].__ray_call__.remote(lambda w: w.engine.eager)) == eager
         probe = list(range(3, 60))
         update_once(ray, workers)
@@ -146,16 +165,16 @@ def _corrupt(self, name: str) -> None:
 
 @pytest.mark.parametrize("trainer_dtype", ["bfloat16", "float32"])
 def test_the_bf16_probe_tolerance_still_catches_a_stale_head_a_stale_layer_and_a_corrupt_bucket(
-        ray_session, tmp_path_factory, trainer_dtype):
+        ray_session, placements, tmp_path_factory, trainer_dtype):
     """bf16 engines score the probe off the trainer by a noise that depends on the model; the
     tolerance follows the noise measured at start-up (both sides hold the base model), and
     after one real update these three faults on one rank's engine are still caught."""
     from weight_sync.verify import SyncVerificationError, check_logprobs
 
     ray = ray_session
-    with colocated(ray, tmp_path_factory, "tiny-llama-tied", 4, "rollout.dtype=bfloat16",
+    with colocated(placements, tmp_path_factory, "tiny-llama-tied", 4, "rollout.dtype=bfloat16",
                    f"trainer.dtype={trainer_dtype}", "trainer.bf16_mode=autocast") as (
-            workers, cfg, placement):
+            workers, cfg, placement, _):
         probe = list(range(3, 60))
         start = placement.measure_probe_noise(probe)
         tolerance = start["sync/tolerance"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.spawn import spawn_world
+from tests.spawn import World
 from weight_sync.layout import new_buffer, plan_layout, unflatten
 from weight_sync.node_buckets import NodeBuckets
 from weight_sync.transport import ShardGather, _shards_to_rank0
@@ -61,12 +61,15 @@ def run(rank: int, world: int, port: int, mode: str, out) -> None:
         dist.destroy_process_group()
 
 
-def spawn(target, mode: str = "") -> dict:
-    """Run target(rank, 2, port, mode, out) in two processes of one gloo world; returns out."""
-    return spawn_world(target, 2, mode, timeout_s=60)
+@pytest.fixture(scope="module")
+def spawn():
+    """spawn(target, mode): target(rank, 2, port, mode, out) in two processes of one gloo
+    world (kept for the module's tests); returns out."""
+    with World(2, timeout_s=60) as world:
+        yield lambda target, mode="": world.run(target, mode)
 
 
-def test_shards_come_back_whole_on_rank_0():
+def test_shards_come_back_whole_on_rank_0(spawn):
     got = spawn(run)
     for i, full in enumerate(full_tensors()):
         assert torch.equal(got[f"p{i}"], full), i
@@ -79,12 +82,13 @@ def test_parameters_that_are_not_shards_fall_back_to_deepspeed():
 def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    import weight_sync.node_buckets as nb
+
+    hostname, create = socket.gethostname, nb._create  # put back after: the process is kept
     try:
         if mode == "two_hosts" and rank == 1:
             socket.gethostname = lambda: "another-host"
         if mode == "no_room":
-            import weight_sync.node_buckets as nb
-
             nb._create = lambda path, nbytes: False  # /dev/shm too small (rank 0 decides)
         fulls = full_tensors()
         params = ([shard(f, rank, world) for f in fulls] if mode == "zero3"
@@ -107,24 +111,25 @@ def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
             for name, t in unflatten(buffer, bucket):
                 out[f"{rank}:{name}"] = t.clone()
     finally:
+        socket.gethostname, nb._create = hostname, create
         dist.destroy_process_group()
 
 
-def test_every_rank_reads_every_bucket_whole_from_its_shards():
+def test_every_rank_reads_every_bucket_whole_from_its_shards(spawn):
     got = spawn(run_node, "zero3")
     for rank in range(2):
         for i, full in enumerate(full_tensors()):
             assert torch.equal(got[f"{rank}:p{i}"], full), (rank, i, SHAPES[i])
 
 
-def test_parameters_kept_whole_are_split_between_the_writers():
+def test_parameters_kept_whole_are_split_between_the_writers(spawn):
     got = spawn(run_node, "whole")
     for i, full in enumerate(full_tensors()):
         assert torch.equal(got[f"1:p{i}"], full), i
 
 
 @pytest.mark.parametrize("mode", ["two_hosts", "no_room"])
-def test_ranks_on_two_hosts_or_without_room_get_none(mode):
+def test_ranks_on_two_hosts_or_without_room_get_none(spawn, mode):
     assert spawn(run_node, mode) == {"0:created": False, "1:created": False}
 
 
@@ -194,7 +199,7 @@ def run_shared(rank: int, world: int, port: int, mode: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
+def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks(spawn):
     hf, got = hf_model(), spawn(run_shared, "all")
     qkv = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     for rank in range(2):
@@ -205,7 +210,7 @@ def test_shared_engine_weights_hold_every_shard_at_its_slot_for_both_ranks():
         assert torch.equal(got[f"{rank}:model.norm.weight"], hf["model.norm.weight"])
 
 
-def test_a_parameter_the_trainer_does_not_send_fails_the_write_on_every_rank():
+def test_a_parameter_the_trainer_does_not_send_fails_the_write_on_every_rank(spawn):
     got = spawn(run_shared, "missing")
     # engine: vocab 100 x 16 (padding not counted) + qkv 32 x 16 + norm 16 = 2128; no v: -8 x 16
     for rank in range(2):
