@@ -31,4 +31,10 @@ if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc; then
 fi
 .venv/bin/python -c "import vllm; from transformers import AutoModelForCausalLM" \
   || { echo "setup: vllm and transformers do not import together; see the error above" >&2; exit 1; }
+if [ "$target" = cpu ]; then
+  # DeepSpeed's shared-memory collective for CPU ranks is compiled on first use (~35 s, then
+  # cached under ~/.cache/torch_extensions): once here, not inside the first run or test
+  .venv/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+    >/dev/null 2>&1 || echo "setup: DeepSpeed's shm op did not build now; the first run builds it" >&2
+fi
 echo "setup: .venv ready ($target)"
