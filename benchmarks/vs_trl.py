@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/vs_trl.py --preset tiny      # warmed-up tiny-qwen2, 32 x 8 x 8
     .venv/bin/python benchmarks/vs_trl.py --preset smollm2   # SmolLM2-135M-Instruct, 4 x 4 x 64
-    .venv/bin/python benchmarks/vs_trl.py --preset smoke     # tiny model, no warm-up, 2 steps (CI)
+    .venv/bin/python benchmarks/vs_trl.py --preset smoke --jobs 2  # every row runs (CI)
 
-Rows, run one after the other in fresh processes (never two at once: 2 cores):
+Rows, run one after the other in fresh processes (never two at once: 2 cores; --jobs only to
+check that every row runs):
   rl-train  `rl-train` on a recipe written from the preset (Ray, DeepSpeed, vLLM), with the
             preset's placement (workers, ZeRO stage) and rl-train's defaults otherwise: shared-
             prompt update, tcmalloc in the workers when installed (ray.cpu_malloc=auto);
@@ -427,6 +428,9 @@ def main() -> None:
                    help="runs of rl-train and raw each, alternating (default: the preset's)")
     p.add_argument("--dtypes", help="comma-separated (default: the preset's)")
     p.add_argument("--out", default=str(OUT), help="where runs and row results go")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="rows run at once (default 1; more only to check that every row runs: "
+                        "rows running side by side time each other's contention)")
     p.add_argument("--one", nargs=3, metavar=("ROW", "DTYPE", "REPEAT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     OUT = Path(args.out)
@@ -466,18 +470,25 @@ def main() -> None:
           f"{preset['workers']} colocated worker(s), ZeRO stage {preset['zero_stage']}",
           flush=True)
     runs: dict = {}  # (row, dtype) -> [each run's timed steps]
-    for dtype in dtypes:
-        rows = preset["rows"].get(dtype, preset["rows"][next(iter(preset["rows"]))])
-        for row, k in schedule([r for r in rows if not wanted or r in wanted],
-                               preset["repeats"]):
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
-                            *(["--steps", str(args.steps)] if args.steps else []),
-                            "--one", row, dtype, str(k)], check=True, cwd=ROOT, stdout=sys.stderr)
-            steps = json.loads(result_file(row, dtype, k).read_text())["steps"]
+    todo = [(row, dtype, k) for dtype in dtypes
+            for row, k in schedule([r for r in preset["rows"].get(dtype, next(
+                iter(preset["rows"].values()))) if not wanted or r in wanted], preset["repeats"])]
+
+    def run_one(item: tuple[str, str, int]) -> list:
+        row, dtype, k = item
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
+                        *(["--steps", str(args.steps)] if args.steps else []),
+                        "--one", row, dtype, str(k)], check=True, cwd=ROOT, stdout=sys.stderr)
+        print(f"  {row} {dtype}" + (f" (run {k + 1})" if row in REPEATED else "")
+              + f": done in {time.perf_counter() - t0:.0f} s", flush=True)
+        return json.loads(result_file(row, dtype, k).read_text())["steps"]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for (row, dtype, _), steps in zip(todo, pool.map(run_one, todo)):
             runs.setdefault((row, dtype), []).append(steps)
-            print(f"  {row} {dtype}" + (f" (run {k + 1})" if row in REPEATED else "")
-                  + f": done in {time.perf_counter() - t0:.0f} s", flush=True)
     results = {key: summarize([s for steps in each for s in steps], samples)
                for key, each in runs.items()}
     print_table(results)
