@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 
-from rewards.registry import StartCheckError, register, start_check
+from rewards.api import StartCheckError, register, start_check
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -17,49 +17,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
+from rewards.api import (REWARDS, StartCheckError, batched, is_batched, register,  # noqa: F401
+                         start_check, start_check_of)
+
 ENTRY_POINT_GROUP = "rlstack.rewards"
-REWARDS: dict[str, Callable] = {}
-
-
-def register(name: str):
-    """Register a built-in reward under `name`."""
-    def wrap(fn):
-        if name in REWARDS:
-            raise ValueError(f"reward '{name}' is registered twice; pick another name")
-        REWARDS[name] = fn
-        return fn
-    return wrap
-
-
-def batched(fn):
-    """Mark a reward as batched: it takes lists and returns one float per sample."""
-    fn.__reward_batched__ = True
-    return fn
-
-
-def is_batched(fn) -> bool:
-    return bool(getattr(fn, "__reward_batched__", False))
-
-
-class StartCheckError(ValueError):
-    """A reward's start check refused the run; the message is one line: the row or arg, what
-    was given, the fix."""
-
-
-def start_check(check: Callable[[list, dict], None]):
-    """Give a reward `check(rows, args)`, run once at start with every dataset row and the
-    term's args, before any sample is scored; it raises ValueError (StartCheckError, or any
-    other ValueError with a one-line message) to refuse the run. E.g. code_exec checks each
-    row's tests."""
-    def wrap(fn):
-        fn.__reward_start_check__ = check
-        return fn
-    return wrap
-
-
-def start_check_of(fn) -> Callable[[list, dict], None] | None:
-    """The start check `fn` carries (see start_check), or None."""
-    return getattr(fn, "__reward_start_check__", None)
 
 
 def _entry_point_names() -> dict:
