@@ -61,6 +61,13 @@ class SyncStats:
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
+    def add_bucket(self, nbytes: int, num_tensors: int) -> None:
+        """Count one bucket that arrived (or was sent) whole."""
+        self.num_buckets += 1
+        self.num_tensors += num_tensors
+        self.bytes += nbytes
+        self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+
 
 def gathered(params: list[torch.nn.Parameter]):
     """A context in which ZeRO-3 parameters are whole on every rank (a collective: every rank

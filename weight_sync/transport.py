@@ -125,11 +125,7 @@ def _node_weights(module: torch.nn.Module, layout: SyncLayout, shared: NodeBucke
         slot = shared.write(index, bucket, [by_name[m.name] for m in bucket.tensors])
         shared.publish()
         stats.add_time("gather", time.perf_counter() - t0)
-        stats.num_buckets += 1
-        nbytes = sum(m.nbytes for m in bucket.tensors)
-        stats.bytes += nbytes
-        stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
-        stats.num_tensors += len(bucket.tensors)
+        stats.add_bucket(sum(m.nbytes for m in bucket.tensors), len(bucket.tensors))
         views = unflatten(slot, bucket)
         yield from _with_aliases(((n, t.clone() if copy else t) for n, t in views),
                                  layout.aliases)
@@ -238,59 +234,48 @@ class BroadcastTransport(WeightTransport):
         if group is not None:
             group.broadcast_bytes(layout.encode())
         stats = SyncStats()
-        in_flight = None
+        in_flight = shard_gather = None
         if group is not None and layout.buckets and not self.shared:
             # two buffers, reused: bucket k is filled while bucket k-1 is on the wire (fresh
             # memory for every bucket paid a page fault per 4 KiB, ~0.2 s per 400 MB here)
             size = max(b.nbytes for b in layout.buckets) + TRAILER
             pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        shard_gather = None
         for index, bucket in enumerate(layout.buckets):
-            bucket_params = [by_name[m.name] for m in bucket.tensors]
+            params = [by_name[m.name] for m in bucket.tensors]
             t0 = time.perf_counter()
             if self.shared:
-                buffer = self.shared.write(index, bucket, bucket_params)
+                buffer = self.shared.write(index, bucket, params)
                 if in_flight is not None:  # its slot is next written once all pass publish()
-                    waited = time.perf_counter()
-                    in_flight.wait()
+                    t0 += _wait(in_flight, stats)
                     in_flight = None
-                    stats.add_time("wire", time.perf_counter() - waited)
-                    t0 += time.perf_counter() - waited
                 self.shared.publish()
-                if group is None:
-                    continue
             else:
                 buffer = None if group is None else pool[index % 2][:bucket.nbytes + TRAILER]
-                if _shards_to_rank0(bucket_params):
-                    shard_gather = shard_gather or ShardGather()
-                    shard_gather.gather(bucket_params, buffer, bucket)
-                    if group is None:
-                        continue
-                else:
-                    with gathered(bucket_params):
-                        if group is None:
-                            continue
-                        flatten_into(buffer, bucket, [p.data for p in bucket_params])
-            t1 = time.perf_counter()
-            write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
-            if index == corrupt_bucket:
-                buffer[:min(8, bucket.nbytes)] ^= 0x5A
-            t2 = time.perf_counter()
-            if in_flight is not None:
-                in_flight.wait()  # at most two buckets exist: the one on the wire, the next
-            in_flight = group.broadcast(buffer)
-            stats.add_time("gather", t1 - t0)
-            stats.add_time("checksum", t2 - t1)
-            stats.add_time("wire", time.perf_counter() - t2)
-            stats.num_buckets += 1
-            stats.num_tensors += len(bucket.tensors)
-            stats.bytes += bucket.nbytes
-            stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+                shard_gather = _assemble(bucket, params, buffer, shard_gather)
+            if group is not None:
+                in_flight = self._post(buffer, bucket, index == corrupt_bucket, in_flight, t0,
+                                       stats)
         if in_flight is not None:
-            t0 = time.perf_counter()
-            in_flight.wait()
-            stats.add_time("wire", time.perf_counter() - t0)
+            _wait(in_flight, stats)
         return stats
+
+    def _post(self, buffer: torch.Tensor, bucket, corrupt: bool, in_flight, t0: float,
+              stats: SyncStats):
+        """Checksum the assembled bucket into its trailer and put it on the wire once the
+        bucket before it is off (at most two exist); returns its broadcast's work."""
+        t1 = time.perf_counter()
+        write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
+        if corrupt:
+            buffer[:min(8, bucket.nbytes)] ^= 0x5A
+        t2 = time.perf_counter()
+        if in_flight is not None:
+            in_flight.wait()
+        work = self.group.broadcast(buffer)
+        stats.add_time("gather", t1 - t0)
+        stats.add_time("checksum", t2 - t1)
+        stats.add_time("wire", time.perf_counter() - t2)
+        stats.add_bucket(bucket.nbytes, len(bucket.tensors))
+        return work
 
     def receive(self, load_weights: LoadWeights, version: int, keeps_views: bool = True,
                 packed: tuple[str, torch.Tensor] | None = None) -> SyncStats:
@@ -299,66 +284,16 @@ class BroadcastTransport(WeightTransport):
         a layer is complete, so by default every bucket gets fresh memory.
         `packed`: (layout digest, flat buffer) of an engine whose parameters live in one buffer
         (`EngineLayout.pack`): in-place buckets are received straight into it."""
-        group = self.group
-        layout = SyncLayout.decode(group.broadcast_bytes(None))
+        layout = SyncLayout.decode(self.group.broadcast_bytes(None))
         errors: list[str] = []
-        if layout.version != version:
-            errors.append(f"the trainer sent policy version {layout.version}, this engine was "
-                          f"told to expect {version}")
-        in_place = bool(layout.in_place)
-        if in_place and (packed is None or packed[0] != layout.in_place):
-            errors.append(f"the trainer cut buckets for engine layout {layout.in_place}, this "
-                          f"engine's is {packed[0] if packed else 'not packed'}: the engines "
-                          f"were restarted or differ; start them through the placement's "
-                          f"init_rollout, which packs every engine and tells the trainers")
-            in_place = False  # receive into scratch memory, so the sender can finish
-        check = get_checksum(layout.checksum)
+        in_place = _check_layout(layout, version, packed, errors)
         stats = SyncStats()
-
         pool = []
         if not keeps_views and not in_place and layout.buckets:
             size = max(b.nbytes for b in layout.buckets) + TRAILER
-            pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-
-        def post(k: int):
-            bucket = layout.buckets[k]
-            if in_place:  # its trailer lands on bucket k+1's first bytes: read before k+1
-                buffer = packed[1][bucket.start:bucket.start + bucket.nbytes + TRAILER]
-            else:
-                buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
-                          else new_buffer(bucket, group.device))
-            return buffer, group.broadcast(buffer)
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            pending = post(0) if layout.buckets else None
-            for k, bucket in enumerate(layout.buckets):
-                buffer, work = pending
-                t0 = time.perf_counter()
-                work.wait()
-                # in place, bucket k+1 overwrites this trailer; elsewhere reading it before
-                # posting k+1 would make a GPU wait before the next broadcast is queued
-                sent = read_trailer(buffer, bucket) if in_place else None
-                pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
-                t1 = time.perf_counter()
-                sent = read_trailer(buffer, bucket) if sent is None else sent
-                got = as_int64(check(buffer[:bucket.nbytes]))
-                stats.add_time("wire", t1 - t0)
-                stats.add_time("checksum", time.perf_counter() - t1)
-                if sent != got:
-                    names = [m.name for m in bucket.tensors]
-                    errors.append(f"bucket {k}/{len(layout.buckets)} ({bucket.nbytes} bytes: "
-                                  f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) "
-                                  f"failed its {layout.checksum} check: sent {sent:#x}, "
-                                  f"received {got:#x}")
-                    continue
-                stats.num_buckets += 1
-                stats.bytes += bucket.nbytes
-                stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
-                stats.num_tensors += len(bucket.tensors)
-                if not layout.in_place:  # in place: already where the engine reads it
-                    yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
-
-        weights = stream()
+            pool = [torch.empty(size, dtype=torch.uint8, device=self.group.device)
+                    for _ in range(2)]
+        weights = self._stream(layout, in_place, packed, pool, stats, errors)
         t0 = time.perf_counter()
         try:
             if not errors and not layout.in_place:
@@ -377,3 +312,83 @@ class BroadcastTransport(WeightTransport):
                 f"weight sync to policy version {version} failed on this engine: "
                 + "; ".join(errors) + ". The engine is marked stale; sync again before generating.")
         return stats
+
+    def _stream(self, layout: SyncLayout, in_place: bool, packed, pool: list, stats: SyncStats,
+                errors: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every bucket that passes its checksum, bucket k+1 on the wire while
+        bucket k is checked and loaded; a failed bucket's tensors are skipped and reported."""
+        group, check = self.group, get_checksum(layout.checksum)
+
+        def post(k: int):
+            bucket = layout.buckets[k]
+            if in_place:  # its trailer lands on bucket k+1's first bytes: read before k+1
+                buffer = packed[1][bucket.start:bucket.start + bucket.nbytes + TRAILER]
+            else:
+                buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
+                          else new_buffer(bucket, group.device))
+            return buffer, group.broadcast(buffer)
+
+        pending = post(0) if layout.buckets else None
+        for k, bucket in enumerate(layout.buckets):
+            buffer, work = pending
+            t0 = time.perf_counter()
+            work.wait()
+            # in place, bucket k+1 overwrites this trailer; elsewhere reading it before
+            # posting k+1 would make a GPU wait before the next broadcast is queued
+            sent = read_trailer(buffer, bucket) if in_place else None
+            pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
+            t1 = time.perf_counter()
+            sent = read_trailer(buffer, bucket) if sent is None else sent
+            got = as_int64(check(buffer[:bucket.nbytes]))
+            stats.add_time("wire", t1 - t0)
+            stats.add_time("checksum", time.perf_counter() - t1)
+            if sent != got:
+                names = [m.name for m in bucket.tensors]
+                errors.append(f"bucket {k}/{len(layout.buckets)} ({bucket.nbytes} bytes: "
+                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) "
+                              f"failed its {layout.checksum} check: sent {sent:#x}, "
+                              f"received {got:#x}")
+                continue
+            stats.add_bucket(bucket.nbytes, len(bucket.tensors))
+            if not layout.in_place:  # in place: already where the engine reads it
+                yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
+
+
+def _wait(work, stats: SyncStats) -> float:
+    """Wait for a broadcast; the seconds waited count as wire time."""
+    t0 = time.perf_counter()
+    work.wait()
+    waited = time.perf_counter() - t0
+    stats.add_time("wire", waited)
+    return waited
+
+
+def _assemble(bucket, params: list[torch.nn.Parameter], buffer: torch.Tensor | None,
+              shard_gather: ShardGather | None) -> ShardGather | None:
+    """Every trainer rank calls this for the same bucket; rank 0's `buffer` (None on ranks
+    without a group) gets its full tensors: shards gathered to rank 0 (`ShardGather`, made on
+    first use and returned for the next bucket), else DeepSpeed's all-gather."""
+    if _shards_to_rank0(params):
+        shard_gather = shard_gather or ShardGather()
+        shard_gather.gather(params, buffer, bucket)
+    else:
+        with gathered(params):
+            if buffer is not None:
+                flatten_into(buffer, bucket, [p.data for p in params])
+    return shard_gather
+
+
+def _check_layout(layout: SyncLayout, version: int, packed, errors: list[str]) -> bool:
+    """Whether the buckets land in place in the engine's packed buffer; what does not fit (a
+    wrong version, another engine layout) goes to `errors`, the buckets still received."""
+    if layout.version != version:
+        errors.append(f"the trainer sent policy version {layout.version}, this engine was "
+                      f"told to expect {version}")
+    in_place = bool(layout.in_place)
+    if in_place and (packed is None or packed[0] != layout.in_place):
+        errors.append(f"the trainer cut buckets for engine layout {layout.in_place}, this "
+                      f"engine's is {packed[0] if packed else 'not packed'}: the engines "
+                      f"were restarted or differ; start them through the placement's "
+                      f"init_rollout, which packs every engine and tells the trainers")
+        in_place = False  # receive into scratch memory, so the sender can finish
+    return in_place
