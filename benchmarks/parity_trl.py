@@ -51,9 +51,9 @@ def run_trl(seed: int, steps: int, out: Path) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rl.config import load_config
-    from rl.models import resolve_model_path
-    from rl.rewarding import checked_rows
-    from rl.warmup import warmup_dir
+    from rl.data.models import resolve_model_path
+    from rl.run.rewarding import checked_rows
+    from rl.data.warmup import warmup_dir
     from vs_trl import trl_exact_answer  # benchmarks/, beside this file
 
     cfg = load_config(str(RECIPE), overrides(seed, steps, out))

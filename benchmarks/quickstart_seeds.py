@@ -62,7 +62,7 @@ def plot(results: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     sys.path.insert(0, str(ROOT))
-    from rl.metrics import smooth
+    from rl.observe.metrics import smooth
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for r, color in zip(results, ("tab:blue", "tab:orange", "tab:green", "tab:red")):

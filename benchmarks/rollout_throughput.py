@@ -40,7 +40,7 @@ def main() -> None:
     from vllm import TokensPrompt
     from transformers import AutoTokenizer
 
-    from rl.models import resolve_model_path
+    from rl.data.models import resolve_model_path
     from rollout.config import RolloutConfig
     from rollout.vllm_engine import VLLMEngine
 

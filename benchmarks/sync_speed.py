@@ -40,16 +40,19 @@ def phases(metrics: dict) -> str:
 
 
 def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear: str) -> dict:
+    import probes
     import ray
 
+    ray.cloudpickle.register_pickle_by_value(probes)  # the workers cannot import benchmarks/
+
     from rl.config import load_config
-    from rl.placement import start_placement
+    from rl.run.placement import start_placement
 
     cfg = load_config(None, [f"placement={kind}", f"model.path={model}", f"sync.bucket_mb={bucket_mb}",
                              "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
                              "rollout.max_model_len=256", "sync.tolerance=1e-2",
                              f"rollout.cpu_linear={cpu_linear}"])
-    from rl.models import resolve_model_path
+    from rl.data.models import resolve_model_path
 
     path = resolve_model_path(model)
     placement = start_placement(cfg)
@@ -63,17 +66,17 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
         times = [m["sync/seconds"] for m in runs]
         nbytes = int(first["sync/bytes"])
         if kind == "colocated":
-            limit = ray.get(placement.trainers[0].measure_memcpy.remote(nbytes))
+            limit = ray.get(placement.trainers[0].call.remote(probes.measure_memcpy, nbytes))
             what = "memcpy"
         else:
             chunk = int(bucket_mb * 2**20)
-            limit = max(ray.get([a.measure_broadcast.remote(nbytes, chunk)
+            limit = max(ray.get([a.call.remote(probes.measure_broadcast, nbytes, chunk)
                                  for a in [placement.trainers[0]] + placement.engines]))
             what = "gloo broadcast" if cfg.ray.num_gpus_per_worker == 0 else "nccl broadcast"
         # the two ends' own floors: a bare ZeRO-3 gather, a bare engine reload from memory
-        gather = max(ray.get([t.measure_gather.remote(int(bucket_mb * 2**20))
+        gather = max(ray.get([t.call.remote(probes.measure_gather, int(bucket_mb * 2**20))
                               for t in placement.trainers]))
-        reload = max(ray.get([e.measure_reload.remote(path) for e in placement.engines]))
+        reload = max(ray.get([e.call.remote(probes.measure_reload, path) for e in placement.engines]))
         best = min(times)
         return {"placement": kind, "bytes": nbytes, "buckets": int(first["sync/num_buckets"]),
                 "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
@@ -87,7 +90,7 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
 
 def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
     from rl.config import load_config
-    from rl.controller import Controller
+    from rl.run.controller import Controller
 
     cfg = load_config(str(ROOT / "recipes" / "quickstart.yaml"), [
         f"placement={kind}", f"trainer.total_steps={steps + 1}", f"run.output_dir={out_dir}",
@@ -101,7 +104,7 @@ def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
 
 
 def main() -> None:
-    from rl.config import SyncConfig
+    from rl.schema import SyncConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:bench-100m")
@@ -116,7 +119,7 @@ def main() -> None:
     import ray
 
     from rl.config import load_config
-    from rl.placement import start_ray
+    from rl.run.cluster import start_ray
 
     start_ray(load_config(None, ["placement=disaggregated", "ray.num_cpus_per_worker=0.5",
                                  "ray.num_cpus_per_rollout_worker=0.5"]))

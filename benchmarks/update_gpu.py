@@ -3,7 +3,7 @@ torch AdamW step on the same batch, model and loss.
 
 No Ray, no vLLM: this is the check to run on a GPU machine, where only torch, transformers and
 DeepSpeed are needed (see README "Benchmarks"). It builds a SmolLM2-135M-shaped Llama with random
-weights (nothing is downloaded), one batch in the layout `rl.batch.collate` makes (left-padded
+weights (nothing is downloaded), one batch in the layout `rl.algo.batch.collate` makes (left-padded
 prompts, right-padded responses, logits for the response positions only), and times, per ZeRO
 stage and precision:
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rl.batch import Sample, collate  # noqa: E402
+from rl.algo.batch import Sample, collate  # noqa: E402
 from update.config import LossConfig, TrainerConfig  # noqa: E402
 from update.losses import BatchCounts, LossInputs, policy_loss  # noqa: E402
 from update.forward import response_logits, response_targets, token_logprobs  # noqa: E402

@@ -108,8 +108,8 @@ def base_model(preset: dict, dtype: str) -> str:
     from omegaconf import OmegaConf
 
     from rl.config import load_config
-    from rl.models import resolve_model_path
-    from rl.warmup import warmup_dir
+    from rl.data.models import resolve_model_path
+    from rl.data.warmup import warmup_dir
 
     path = OUT / "base.yaml"
     path.write_text(OmegaConf.to_yaml(recipe(preset, dtype, 1, "base")))
@@ -125,8 +125,8 @@ def base_model(preset: dict, dtype: str) -> str:
 
 
 def prompt_rows(preset: dict) -> list[dict]:
-    from rl.config import DataConfig
-    from rl.data import resolve_rows
+    from rl.schema import DataConfig
+    from rl.data.prompts import resolve_rows
 
     return resolve_rows(DataConfig(max_operand=preset["max_operand"]), 0)
 

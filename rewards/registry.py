@@ -17,8 +17,15 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
-from rewards.api import (REWARDS, StartCheckError, batched, is_batched, register,  # noqa: F401
-                         start_check, start_check_of)
+from rewards.api import (  # noqa: F401
+    REWARDS,
+    StartCheckError,
+    batched,
+    is_batched,
+    register,
+    start_check,
+    start_check_of,
+)
 
 ENTRY_POINT_GROUP = "rlstack.rewards"
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         point = None
         if args.resume is not None:
-            from rl.checkpoint import check_resume, find_resume_point
+            from rl.run.checkpoint import check_resume, find_resume_point
 
             point = find_resume_point(cfg, args.resume or None)
             check_resume(cfg, point, args.allow_config_change)
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stop_on_sigterm()
 
-    from rl.checkpoint import CheckpointError
-    from rl.controller import Controller
     from rl.errors import ActorFailure
+    from rl.run.checkpoint import CheckpointError
+    from rl.run.controller import Controller
 
     def resume_command(run_dir) -> str:
         return shlex.join(["rl-train", args.recipe, *args.overrides, "--resume", str(run_dir)])
@@ -110,7 +110,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         from rl.preflight import preflight
 
         rows = preflight(cfg)
-        from rl.evaluate import evaluate_model
+        from rl.run.evaluate import evaluate_model
 
         metrics = evaluate_model(cfg, rows, args.model,
                                  Path(args.output) if args.output else None)

@@ -1,7 +1,7 @@
 """Failures a person reads: why an actor died, why prompts cannot be used."""
 from __future__ import annotations
 
-from rl.config import Config
+from rl.schema import Config
 
 
 class ActorFailure(RuntimeError):

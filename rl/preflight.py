@@ -13,11 +13,12 @@ import socket
 import sys
 from pathlib import Path
 
-from rl.config import Config, ConfigError
+from rl.config import ConfigError
+from rl.schema import Config
 
 
 def check_names(cfg: Config) -> None:
-    from rl.advantages import ADVANTAGE_ESTIMATORS
+    from rl.algo.advantages import ADVANTAGE_ESTIMATORS
     from update.losses import CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
     loss = cfg.algorithm.loss
@@ -33,7 +34,7 @@ def check_names(cfg: Config) -> None:
 
 
 def check_model_path(cfg: Config) -> None:
-    from rl.models import GGUF_MODELS, PRESETS, builtin_names
+    from rl.data.models import GGUF_MODELS, PRESETS, builtin_names
 
     path = cfg.model.path
     if path.startswith("builtin:"):
@@ -102,9 +103,9 @@ def check_rows(cfg: Config, rows: list[dict], where: str = "train_path") -> None
 
 
 def preflight(cfg: Config):
-    """Every up-front check; returns the data set (rl.data.Rows: training and held-out rows,
+    """Every up-front check; returns the data set (rl.data.prompts.Rows: training and held-out rows,
     through the rewards' start checks)."""
-    from rl.rewarding import checked_rows, load_rows
+    from rl.run.rewarding import checked_rows, load_rows
 
     try:  # the data first: these checks import nothing heavy
         train, held_out = loaded = load_rows(cfg)

@@ -2,7 +2,7 @@
 
 Glossary: B samples, G distinct prompts, P longest prompt, R longest response, L = P + R, V vocab.
 
-Two micro-batch layouts (rl.batch.collate makes both):
+Two micro-batch layouts (rl.algo.batch.collate makes both):
 - full: input_ids / attention_mask / position_ids [B, L], prompts left-padded and responses
   right-padded, so every response starts at column P;
 - shared prompts: prompt_ids / prompt_attention_mask [G, P] (left-padded), prompt_index [B] (the

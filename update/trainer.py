@@ -18,7 +18,7 @@ from update.forward import (check_model_class, full_layout, is_shared, response_
 from update.losses import (BatchCounts, LossInputs, add_metrics, nll_loss, old_logprob_metrics,
                            policy_loss)
 
-# MicroBatch keys (rl.batch.collate): the tokens in one of two layouts (update.forward: full,
+# MicroBatch keys (rl.algo.batch.collate): the tokens in one of two layouts (update.forward: full,
 # or shared prompts); response-only token-level [B, R] float tensors: response_mask (1 on
 # response tokens), advantages, old_logprobs, rollout_logprobs, and when used ref_logprobs,
 # values, returns.

@@ -42,7 +42,7 @@ def ray_session(shared_cache):
     import ray
 
     from rl.config import load_config
-    from rl.placement import start_ray
+    from rl.run.cluster import start_ray
 
     start_ray(load_config(None), num_cpus=RAY_CPUS)
     yield ray
@@ -53,7 +53,7 @@ def ray_session(shared_cache):
 def placements(ray_session):
     """The session's PlacementPool: pass it to Controller(placements=...), or take a placement
     with placements.start(cfg) and hand it back with placement.release()."""
-    from rl.placement import PlacementPool
+    from rl.run.pool import PlacementPool
 
     pool = PlacementPool(MAX_IDLE_ACTORS)
     yield pool

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl.config import load_config
-from rl.controller import Controller
+from rl.run.controller import Controller
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.batch import Sample, collate
+from rl.algo.batch import Sample, collate
 from rl.config import load_config
-from rl.models import build_tiny_model
+from rl.data.models import build_tiny_model
 from update.losses import BatchCounts
 from weight_sync.transport import WeightSyncError
 

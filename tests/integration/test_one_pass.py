@@ -14,14 +14,13 @@ def _compare(rank: int, world_size: int, port: int, cache_dir: str, out) -> None
 
     os.environ["RL_CACHE_DIR"] = cache_dir
     import torch
+    import torch.nn.functional as F
 
-    from rl.batch import Sample, collate
-    from rl.models import build_tiny_model
+    from rl.algo.batch import Sample, collate
+    from rl.data.models import build_tiny_model
     from update.config import LossConfig, TrainerConfig
     from update.losses import BatchCounts, old_logprob_metrics
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed
-
-    import torch.nn.functional as F
 
     linear = F.linear
     torch.manual_seed(0)

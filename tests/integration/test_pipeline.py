@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.batch import Sample, collate
+from rl.algo.batch import Sample, collate
 from rl.config import load_config
-from rl.controller import Controller
+from rl.run.controller import Controller
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 

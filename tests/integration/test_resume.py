@@ -5,11 +5,11 @@ logs hold each step once. The test is one uninterrupted run, one run hurt twice,
 rl-train's start-up is most of its time."""
 import json
 import os
-from contextlib import contextmanager
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -112,7 +112,7 @@ def whole_run(placements, tmp: Path) -> list[dict]:
     each in processes of its own, must equal it bit for bit (metrics.jsonl only: loggers do not
     touch the numbers)."""
     from rl.config import load_config
-    from rl.controller import Controller
+    from rl.run.controller import Controller
 
     cfg = load_config(str(ROOT / ARGS[0]), ARGS[1:] + [f"run.output_dir={tmp}", "run.name=whole",
                                                       "run.loggers=[jsonl]"])

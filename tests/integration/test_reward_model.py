@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from rl.config import RewardConfig, RewardTerm
-from rl.rewarding import RewardScorer
+from rl.run.rewarding import RewardScorer
+from rl.schema import RewardConfig, RewardTerm
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 def classifier(tmp_path_factory):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-    from rl.models import build_tiny_model
+    from rl.data.models import build_tiny_model
 
     lm = build_tiny_model("tiny-qwen2", seed=4, out_dir=tmp_path_factory.mktemp("m") / "lm")
     tok = AutoTokenizer.from_pretrained(lm)

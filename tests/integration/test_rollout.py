@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 
 from rl.config import load_config
-from rl.models import build_tiny_model
+from rl.data.models import build_tiny_model
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 

@@ -13,7 +13,7 @@ def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
 
     import torch
 
-    from rl.batch import Sample, collate
+    from rl.algo.batch import Sample, collate
     from update.config import LossConfig, TrainerConfig
     from update.losses import BatchCounts
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed
@@ -68,7 +68,7 @@ def _initial(path: str) -> dict:
 
 @pytest.mark.integration
 def test_shared_prompt_update_equals_the_full_layout_on_two_zero3_ranks(tmp_path):
-    from rl.models import build_tiny_model
+    from rl.data.models import build_tiny_model
 
     path = build_tiny_model("tiny-qwen2", out_dir=tmp_path / "model")  # once, before the ranks
     out = spawn_world(_compare, 2, str(path))

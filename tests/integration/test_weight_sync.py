@@ -5,9 +5,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from rl.batch import Sample, collate
+from rl.algo.batch import Sample, collate
 from rl.config import load_config
-from rl.models import build_tiny_model
+from rl.data.models import build_tiny_model
 from update.losses import BatchCounts
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from rewards.registry import resolve, start_check_of
-from rl.config import DataConfig
-from rl.data import resolve_rows
+from rl.schema import DataConfig
+from rl.data.prompts import resolve_rows
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_the_smollm2_recipe_holds_out_500_problems_and_its_reward_accepts_its_ro
     from pathlib import Path
 
     from rl.config import load_config
-    from rl.rewarding import checked_rows
+    from rl.run.rewarding import checked_rows
 
     monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
     recipe = Path(__file__).parents[3] / "recipes" / "smollm2_chain_sum.yaml"

@@ -17,17 +17,21 @@ class RayStarted(Exception):
 
 
 def refuse(capsys, argv: list[str], *expected: str) -> str:
-    import rl.controller
+    import rl.run.cluster
+    import rl.run.lifecycle
 
-    def start_ray(cfg):  # a refusal must come before this (other tests may hold a Ray session)
+    def start_ray(cfg, num_cpus=None):  # a refusal must come before this (others may hold Ray)
         raise RayStarted("refused after Ray started")
 
-    real = rl.controller.start_ray
-    rl.controller.start_ray = start_ray
+    modules = (rl.run.cluster, rl.run.lifecycle)  # rl-eval calls cluster's, rl-train lifecycle's
+    real = [m.start_ray for m in modules]
+    for module in modules:
+        module.start_ray = start_ray
     try:
         code = main(argv)
     finally:
-        rl.controller.start_ray = real
+        for module, fn in zip(modules, real):
+            module.start_ray = fn
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert err.startswith("rl-train: ") and "\n" not in err and "Traceback" not in err, err
@@ -152,8 +156,8 @@ def test_resume_with_no_checkpoint(capsys, tmp_path):
 
 
 def test_resume_of_another_recipe(capsys, tmp_path):
-    from rl import checkpoint as ckpt
     from rl.config import load_config, to_yaml
+    from rl.run import checkpoint as ckpt
 
     other = load_config("recipes/dapo.yaml")
     run = tmp_path / "quickstart"
@@ -171,7 +175,7 @@ def test_resume_of_another_recipe(capsys, tmp_path):
 def tiny_model(tmp_path_factory):
     import os
 
-    from rl.models import resolve_model_path
+    from rl.data.models import resolve_model_path
 
     os.environ.setdefault("RL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     return Path(resolve_model_path("builtin:tiny-qwen2"))

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import AlgorithmConfig, Config, ConfigError, grad_accum_steps, load_config
+from rl.config import ConfigError, grad_accum_steps, load_config
+from rl.schema import AlgorithmConfig, Config
 from update.config import LossConfig
 
 RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.yaml"))
@@ -67,8 +68,8 @@ def test_recipes_exist():
 
 
 def test_every_placement_the_config_accepts_has_a_class():
-    from rl import placement
-    from rl.config import PLACEMENTS
+    from rl.run import placement
+    from rl.schema import PLACEMENTS
 
     assert set(placement.PLACEMENTS) == set(PLACEMENTS)  # the two lists of names stay in step
 

@@ -50,7 +50,7 @@ def test_compiled_on_gpu_and_for_large_models_on_cpu_eager_otherwise(tmp_path):
 
 
 def test_the_kv_cache_is_what_256_sequences_of_max_model_len_need_at_most_kv_cache_gib(tmp_path):
-    from rl.models import build_tiny_model
+    from rl.data.models import build_tiny_model
     from rollout.config import RolloutConfig
     from rollout.vllm_engine import kv_bytes_per_token, kv_cache_bytes
 

@@ -1,0 +1,89 @@
+"""Supervised warm-up: turn a random model into a weak "base" model for the task, once, cached.
+
+A random model scores ~0 on the task and GRPO then has no signal. A short SFT on the rows'
+answers, run on the same DeepSpeed workers as RL, makes a model that answers some prompts. With
+`answer_noise`, that fraction of targets is a near miss (answer +- 1..3), so the base model is
+deliberately unsure: its sampled reward starts low but not at zero, and RL has room to climb.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from rl.algo.batch import Sample, collate, split_ranks
+from rl.observe.progress import Progress, wait_with_progress
+from rl.schema import Config
+
+
+def warmup_dir(model_path: str, cfg: Config) -> Path:
+    from rl.data.models import cache_root
+
+    ident = [str(Path(model_path).resolve()), asdict(cfg.warmup), asdict(cfg.data),
+             cfg.run.seed, cfg.ray.num_workers, cfg.trainer.micro_batch_size]
+    key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:12]
+    return cache_root() / "warmup" / f"{Path(model_path).name}-{key}"
+
+
+def sft_target(answer: str, noise: float, rng: random.Random,
+               offsets: tuple[int, ...] = (-3, -2, -1, 1, 2, 3)) -> str:
+    if noise > 0 and rng.random() < noise:
+        try:
+            return str(int(answer) + rng.choice(list(offsets)))
+        except ValueError:  # not an integer answer: keep it
+            return answer
+    return answer
+
+
+def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
+    """SFT on the workers' trainers; saves and returns the base model directory (cached)."""
+    import ray
+
+    out = warmup_dir(model_path, cfg)
+    if (out / "config.json").exists():
+        print(f"warm-up: reusing the cached base model {out}", flush=True)
+        return str(out)
+    w = cfg.warmup
+    world = len(workers)
+    per_rank = max(1, w.batch_size // world)
+    grad_accum = -(-per_rank // cfg.trainer.micro_batch_size)
+    trainer_cfg = replace(cfg.trainer, lr=w.lr)
+    loss_cfg = replace(cfg.algorithm.loss, kl_coef=0.0)
+    ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
+             for wk in workers])
+    rng = random.Random(cfg.run.seed)
+    order = prompts.with_order(cfg.run.seed + 1)
+    eos = tokenizer.eos_token_id
+    print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
+          f"(answer_noise={w.answer_noise})", flush=True)
+    progress = Progress(w.sft_steps, "warm-up", every=50)
+    for step in range(1, w.sft_steps + 1):
+        rows = order.next_batch(per_rank * world)
+        samples = []
+        for i in rows:
+            row = prompts.rows[i]
+            if "answer" not in row:
+                raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
+            answer = sft_target(str(row["answer"]), w.answer_noise, rng, w.noise_offsets)
+            target = w.target_template.format(**{**row, "answer": answer})
+            response = tokenizer.encode(target, add_special_tokens=False) + [eos]
+            samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
+        num_tokens = float(sum(len(s.response_ids) for s in samples))
+        futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
+                   for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]
+        loss = sum(m["loss/sft"] for m in ray.get(futures))
+        progress.update(step, f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}",
+                        {"loss": f"{loss:.4f}"})
+    progress.close()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    wait_with_progress([wk.save_hf.remote(str(tmp)) for wk in workers],
+                       "warm-up: saving the base model")
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"warm-up: saved the base model to {out}", flush=True)
+    return str(out)

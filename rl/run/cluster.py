@@ -1,0 +1,54 @@
+"""Ray: joining a cluster (ray.address) or starting a local instance, and what every worker
+process inherits from it (environment, allocator)."""
+from __future__ import annotations
+
+import math
+import os
+
+from rl.schema import Config
+
+
+def cpu_malloc(cfg: Config) -> str | None:
+    """The library the workers preload as their allocator (ray.cpu_malloc), or None."""
+    import ctypes.util
+
+    choice = cfg.ray.cpu_malloc
+    if choice == "system":
+        return None
+    if choice != "auto":
+        return choice
+    gpus = cfg.ray.num_gpus_per_worker or (cfg.placement == "disaggregated"
+                                           and cfg.ray.num_gpus_per_rollout_worker)
+    if gpus:
+        return None
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
+def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
+    """Join cfg's cluster, or start a local instance with num_cpus logical CPUs (None: the
+    machine's cores, or what cfg's placement reserves if that is more)."""
+    import ray
+
+    from rl.data.models import cache_root
+
+    if ray.is_initialized():
+        return
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning",
+           "RL_CACHE_DIR": str(cache_root()),
+           # vLLM's ngram proposer runs numba's parallel loops; on numba's default (OpenMP)
+           # layer a training step in the same process took 4.7x as long after one ngram
+           # generate call. Its own thread pool leaves torch's alone.
+           "NUMBA_THREADING_LAYER": "workqueue"}
+    malloc = cpu_malloc(cfg)
+    if malloc:  # the workers start with it (a library missing on some node is skipped there)
+        env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), malloc]))
+        env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] = str(1 << 40)  # no line per KV cache
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, runtime_env={"env_vars": env})
+    else:
+        need = cfg.ray.num_workers * cfg.ray.num_cpus_per_worker
+        if cfg.placement == "disaggregated":
+            need += cfg.ray.num_rollout_workers * cfg.ray.num_cpus_per_rollout_worker
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(need)),
+                 include_dashboard=False, runtime_env={"env_vars": env})

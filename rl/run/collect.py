@@ -1,0 +1,80 @@
+"""Collecting a rollout batch: generate, score, shape, and (DAPO) keep only informative groups."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rl.algo.batch import Sample, chunk
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty."""
+    start = max_len - buffer
+    if buffer <= 0 or length <= start:
+        return 0.0
+    return -penalty * min(length - start, buffer) / buffer
+
+
+def is_flat(group: list[Sample]) -> bool:
+    """All scores equal: group-relative advantages are 0, the group carries no signal."""
+    return max(s.score for s in group) - min(s.score for s in group) < 1e-9
+
+
+def reward_summary(samples: list[Sample], overlong_buffer: int) -> dict:
+    """reward/mean and reward/std (and the shaped mean under overlong shaping) of `samples`."""
+    rewards = [s.reward for s in samples]
+    mean = sum(rewards) / len(rewards)
+    out = {"reward/mean": mean,
+           "reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5}
+    if overlong_buffer:
+        out["reward/shaped_mean"] = sum(s.score for s in samples) / len(rewards)
+    return out
+
+
+@dataclass
+class Collected:
+    samples: list[Sample]  # exactly prompts_per_step groups of n, contiguous
+    all_samples: list[Sample]  # everything generated this step (for honest reward metrics)
+    metrics: dict = field(default_factory=dict)
+    seconds_generate: float = 0.0
+    seconds_reward: float = 0.0
+
+
+def collect(controller, step: int) -> Collected:
+    """Rollout rounds until the batch holds prompts_per_step groups (one round unless dynamic
+    sampling); the shortfall after max_sampling_rounds is filled with flat groups."""
+    cfg, algo = controller.cfg, controller.cfg.algorithm
+    want, n = cfg.rollout.prompts_per_step, cfg.rollout.n
+    kept: list[list[Sample]] = []
+    flat: list[list[Sample]] = []
+    out = Collected([], [])
+    rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+    reward_metrics: list[dict] = []
+    for round_index in range(rounds):
+        t0 = time.perf_counter()
+        samples = controller.generate(controller.prompts.next_batch(want), step, round_index)
+        t1 = time.perf_counter()
+        reward_metrics.append(controller.score(samples))
+        out.seconds_generate += t1 - t0
+        out.seconds_reward += time.perf_counter() - t1
+        out.all_samples += samples
+        for group in chunk(samples, len(samples) // n):
+            (flat if algo.dynamic_sampling and is_flat(group) else kept).append(group)
+        if len(kept) >= want:
+            break
+    filled = max(0, want - len(kept))
+    groups = kept[:want] + flat[:filled]
+    for g, group in enumerate(groups):
+        for s in group:
+            s.group = g
+    out.samples = [s for group in groups for s in group]
+    counts = ("reward/errors", "reward/timeouts")
+    # per-term means averaged over rounds (equal sizes); failure counts added up
+    out.metrics = {k: sum(m[k] for m in reward_metrics) / (1 if k in counts else
+                                                             len(reward_metrics))
+                   for k in reward_metrics[0]}
+    out.metrics.update(reward_summary(out.all_samples, algo.overlong_buffer))
+    if algo.dynamic_sampling:
+        out.metrics.update({"dynamic/rounds": float(round_index + 1),
+                            "dynamic/flat_groups_filled": float(filled)})
+    return out

@@ -1,0 +1,367 @@
+"""Where the two roles run: colocated (one actor per rank holds a trainer rank and an
+engine) or disaggregated (a trainer pool and a rollout pool of their own actors).
+
+Both placements give the controller the same surface: `trainers` (the DeepSpeed ranks, in rank
+order), `engines` (the rollout actors), `sync(version)` ("make every engine policy `version`,
+verified") and `stop()`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from rl.schema import Config
+
+
+def _bundle(cpus: float, gpus: float, resources: dict) -> dict:
+    """One actor's reservation; custom `resources` pin it to the nodes that offer them."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
+
+
+def _reserve(wanted: list[dict], what: str):
+    """A placement group of the `wanted` bundles, ready, or an error that says what to lower."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(wanted, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"Ray could not place {what} ({len(wanted)} bundles: {wanted}) in 300 s; the "
+            f"cluster has {ray.cluster_resources()}. Lower ray.num_workers / "
+            f"ray.num_rollout_workers or the per-worker resources, or start nodes that offer "
+            f"the custom resources ray.trainer_resources / ray.rollout_resources ask for.") from None
+    return pg
+
+
+def _spawn(cls, pg, first_bundle: int, count: int, cpus: float, gpus: float,
+           concurrency: int = 1, cores: tuple[int, int] | None = None) -> list:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor = ray.remote(cls)
+    return [actor.options(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              pg, placement_group_bundle_index=first_bundle + r)
+                          ).remote(r, count, cores) for r in range(count)]
+
+
+def split_cores(trainer_cpus: float, rollout_cpus: float,
+                num_cpus: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first, count) cores for the trainers and for the engines, in proportion to what Ray
+    reserves for each role, at least one each (a single core is shared)."""
+    total = num_cpus or os.cpu_count() or 1
+    if total < 2:
+        return (0, 1), (0, 1)
+    share = trainer_cpus / (trainer_cpus + rollout_cpus)
+    trainer = min(total - 1, max(1, round(total * share)))
+    return (0, trainer), (trainer, total - trainer)
+
+
+def _join_trainers(trainers: list) -> None:
+    import ray
+
+    addr, port = ray.get(trainers[0].free_address.remote())
+    ray.get([w.init_distributed.remote(addr, port) for w in trainers])
+
+
+def bundles(cfg: Config) -> list[dict]:
+    """One Ray bundle per actor of cfg's placement: trainer ranks first, then engines."""
+    r = cfg.ray
+    out = [_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, r.trainer_resources)] * \
+        r.num_workers
+    if cfg.placement == "disaggregated":
+        out += [_bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                        r.rollout_resources)] * r.num_rollout_workers
+    return out
+
+
+def split_roles(cfg: Config) -> bool:
+    """Disaggregated on CPU: whether trainers and engines get cores of their own
+    (ray.split_cores; by default only in the async modes, where both work at once)."""
+    split = cfg.ray.split_cores
+    return split if split is not None else cfg.pipeline.mode != "sync"
+
+
+def placement_shape(cfg: Config) -> tuple:
+    """What a placement's actors are started with: their kinds, number, resources, cores and
+    concurrency, and the sync group's timeout. Runs whose configs agree here can run on the
+    same actors (PlacementPool); everything else is set per run (init_trainer, init_rollout)."""
+    shape = (cfg.placement, json.dumps(bundles(cfg), sort_keys=True))
+    if cfg.placement == "disaggregated":
+        shape += (split_roles(cfg), cfg.pipeline.mode == "sync", cfg.sync.timeout_s)
+    return shape
+
+
+class Placement:
+    trainers: list
+    engines: list
+    streaming = False  # the engines generate in loops of their own (async pipeline modes)
+    pool = None  # the rl.run.pool.PlacementPool that `release` hands the actors back to, if any
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.pg = None
+
+    def actors(self) -> list:
+        """Every actor once (colocated, the trainers are the engines)."""
+        return list({id(a): a for a in self.trainers + self.engines}.values())
+
+    def rebind(self, cfg: Config) -> None:
+        """Serve a new run of the same shape: what was measured or decided for the last run's
+        config is forgotten (its models were freed by `release`)."""
+        self.cfg, self.tolerance, self.engine_mode, self.streaming = cfg, None, None, False
+
+    def release(self) -> None:
+        """The run is done with the placement: back to its pool with its models freed, or
+        stopped when it has none."""
+        if self.pool is None:
+            self.stop()
+            return
+        import ray
+
+        try:
+            ray.get([a.free_models.remote() for a in self.actors()], timeout=120)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            self.stop()  # an actor died or hangs: nothing to keep
+            return
+        self.pool.keep(self)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.cfg.sync.bucket_mb * 2**20)
+
+    def init_rollout(self, model_path: str, version: int) -> None:
+        import ray
+
+        modes = ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
+                                               version) for e in self.engines])
+        if self.engine_mode != modes[0]:  # said once per placement (checkpoint restores rebuild)
+            self.engine_mode = modes[0]
+            print(f"rollout engines: {len(modes)} x vLLM, model {modes[0]} (rollout.enforce_eager="
+                  f"{self.cfg.rollout.enforce_eager})", flush=True)
+
+    engine_mode: str | None = None  # "compiled" or "eager", once the engines are built
+
+    tolerance: float | None = None  # the post-sync check's, once measured (measure_probe_noise)
+
+    def sync(self, version: int, probe: list[int]) -> dict:
+        raise NotImplementedError
+
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        """(trainer, engine) probe logprobs for every engine, weights as they are."""
+        raise NotImplementedError
+
+    def measure_probe_noise(self, probe: list[int]) -> dict:
+        """While trainers and engines hold the same weights (the base model, before any sync):
+        how far the engines score the probe from the trainer is their precision's own noise;
+        the post-sync check's tolerance follows from it (weight_sync.verify.probe_tolerance)."""
+        import ray
+
+        from weight_sync.verify import max_abs_diff, probe_tolerance
+
+        noise = max(max_abs_diff(t, e) for t, e in self.probe_pairs(probe))
+        dtype = ray.get(self.engines[0].engine_dtype.remote())
+        self.tolerance = probe_tolerance(self.cfg.trainer.dtype, dtype, self.cfg.sync.tolerance,
+                                         noise)
+        print(f"post-sync check: trainer {self.cfg.trainer.dtype}, engines {dtype}; the probe "
+              f"scores {noise:.2g} apart on the same weights; tolerance {self.tolerance:g}"
+              + (" (sync.tolerance)" if self.cfg.sync.tolerance is not None else ""), flush=True)
+        return {"sync/probe_noise": noise, "sync/tolerance": self.tolerance}
+
+    def sync_tolerance(self) -> float:
+        """The post-sync check's tolerance: as measured at start-up, or, for a placement that
+        never measured it (one driven by a test), the dtypes' uncalibrated default."""
+        import ray
+
+        from weight_sync.verify import probe_tolerance
+
+        if self.tolerance is None:
+            self.tolerance = probe_tolerance(self.cfg.trainer.dtype, ray.get(
+                self.engines[0].engine_dtype.remote()), self.cfg.sync.tolerance)
+        return self.tolerance
+
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.actors():
+            ray.kill(w)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        self.trainers, self.engines, self.pg = [], [], None
+
+
+class Colocated(Placement):
+    """N actors, each one trainer rank + one engine; weights move by in-process copy."""
+
+    def __init__(self, cfg: Config):
+        from rl.run.colocated_worker import ColocatedWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        self.pg = _reserve(bundles(cfg), f"{r.num_workers} colocated workers")
+        self.trainers = _spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
+                               r.num_gpus_per_worker)
+        self.engines = self.trainers
+        _join_trainers(self.trainers)
+
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        import ray
+
+        return ray.get([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
+
+    def sync(self, version: int, probe: list[int]) -> dict:
+        import ray
+
+        tolerance = self.sync_tolerance()
+        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance)
+                           for w in self.trainers])
+        # the slowest rank's times; a path flag is 1 only if every rank took that path
+        flags = ("sync/direct_load", "sync/shared_weights")
+        return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
+
+
+class Disaggregated(Placement):
+    """N trainer actors and M engine actors; trainer rank 0 broadcasts each version to the
+    engines over a gloo (CPU) / NCCL (GPU) group of 1 + M ranks."""
+
+    def __init__(self, cfg: Config):
+        import ray
+
+        from rl.run.rollout_worker import RolloutWorker
+        from rl.run.trainer_worker import TrainerWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        self.pg = _reserve(bundles(cfg), f"{r.num_workers} trainer ranks + "
+                                         f"{r.num_rollout_workers} rollout engines")
+        trainer_cores = engine_cores = None
+        if split_roles(cfg):  # both roles work at once: cores of their own
+            trainer_cores, engine_cores = split_cores(
+                r.num_workers * r.num_cpus_per_worker,
+                r.num_rollout_workers * r.num_cpus_per_rollout_worker)
+        self.trainers = _spawn(TrainerWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
+                               r.num_gpus_per_worker, cores=trainer_cores)
+        # streaming (async pipeline modes), an engine takes submit/collect calls and a sync
+        # while its generation loop runs
+        self.engines = _spawn(RolloutWorker, self.pg, r.num_workers, r.num_rollout_workers,
+                              r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                              concurrency=1 if cfg.pipeline.mode == "sync" else 4,
+                              cores=engine_cores)
+        self.streaming = False
+        _join_trainers(self.trainers)
+        hosts = ray.get([a.hostname.remote() for a in self.trainers + self.engines])
+        # engines on another host than the sender: buckets cross the network, no shared memory
+        self.cross_host = float(len(set(hosts)) > 1)
+        print("placement: " + ", ".join(
+            [f"trainer rank {i} on {h}" for i, h in enumerate(hosts[:r.num_workers])]
+            + [f"rollout engine {i} on {h}" for i, h in enumerate(hosts[r.num_workers:])]),
+            flush=True)
+        addr, port = ray.get(self.trainers[0].free_address.remote())
+        size, timeout = 1 + len(self.engines), cfg.sync.timeout_s
+        ray.get([self.trainers[0].join_sync_group.remote(addr, port, 0, size, timeout)]
+                + [e.join_sync_group.remote(addr, port, 1 + i, size, timeout)
+                   for i, e in enumerate(self.engines)])
+
+    def init_rollout(self, model_path: str, version: int) -> None:
+        """Start the engines; when they can take buckets in place (all with the same packed
+        layout), tell the trainers, which then cut buckets from it."""
+        import ray
+
+        super().init_rollout(model_path, version)
+        layouts = ray.get([e.pack_weights.remote() for e in self.engines])
+        same = layouts[0] if all(x is not None and x == layouts[0] for x in layouts) else None
+        ray.get([t.set_engine_layout.remote(same) for t in self.trainers])
+
+    def start_streams(self, interruptible: bool) -> None:
+        """Async pipeline modes: every engine generates in a loop of its own from now on; each
+        sync pauses them, and only a verified one lets them go on."""
+        import ray
+
+        ray.get([e.start_stream.remote(interruptible) for e in self.engines])
+        self.streaming = True
+
+    def stop_streams(self) -> None:
+        """Back to blocking generation (the final evaluation): the loops end, in-flight
+        sequences are dropped."""
+        import ray
+
+        ray.get([e.stop_stream.remote() for e in self.engines])
+        self.streaming = False
+
+    def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
+        import ray
+
+        trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
+        return [(trainer, lps) for lps in ray.get([e.score_tokens.remote(probe)
+                                                    for e in self.engines])]
+
+    def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
+        """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
+        Streaming, the engines pause to receive and resume only once their probe agrees (a
+        failed check leaves them paused until a sync repairs them). `corrupt_bucket` is a fault
+        injection for tests."""
+        import time
+
+        import ray
+
+        from weight_sync.verify import check_logprobs
+
+        t0 = time.perf_counter()
+        sync = self.cfg.sync
+        sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum, corrupt_bucket)
+                 for t in self.trainers]
+        receives = [e.receive_weights.remote(version) for e in self.engines]
+        # a failed sender fails the sync now (its receivers then time out, and the run stops);
+        # a receiver that finds a bad bucket still drains every bucket, so senders finish
+        sent = ray.get(sends)[0]
+        received = ray.get(receives)  # raises the first engine's WeightSyncError
+        seconds = time.perf_counter() - t0
+        tolerance = self.sync_tolerance()
+        diff = max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
+                   for i, (trainer, lps) in enumerate(self.probe_pairs(probe)))
+        if self.streaming:  # checked: generation goes on under the new version
+            ray.get([e.resume_stream.remote() for e in self.engines])
+        return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
+                "sync/num_buckets": sent["sync/num_buckets"],
+                "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
+                "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
+                "sync/direct_load": min(r["sync/direct_load"] for r in received),
+                "sync/in_place": sent["sync/in_place"], "sync/cross_host": self.cross_host,
+                **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
+                **{k: max(r[k] for r in received) for k in received[0]
+                   if k.startswith("sync/receive_")}}
+
+
+class EnginesOnly(Placement):
+    """The rollout engines of cfg's placement and nothing else, started as a run starts them
+    (the same number, resources, cores and seeds): for scoring a saved model (rl-eval), where
+    a trainer would only cost start-up (DeepSpeed, the trainer ranks' process group)."""
+
+    def __init__(self, cfg: Config):
+        from rl.run.rollout_worker import RolloutWorker
+
+        super().__init__(cfg)
+        r = cfg.ray
+        if cfg.placement == "colocated":
+            count, cpus, gpus, cores = (r.num_workers, r.num_cpus_per_worker,
+                                        r.num_gpus_per_worker, None)
+            wanted = bundles(cfg)
+        else:
+            count, cpus, gpus = (r.num_rollout_workers, r.num_cpus_per_rollout_worker,
+                                 r.num_gpus_per_rollout_worker)
+            cores = split_cores(r.num_workers * r.num_cpus_per_worker,
+                                count * cpus)[1] if split_roles(cfg) else None
+            wanted = bundles(cfg)[r.num_workers:]
+        self.pg = _reserve(wanted, f"{count} rollout engines")
+        self.engines = _spawn(RolloutWorker, self.pg, 0, count, cpus, gpus, cores=cores)
+        self.trainers = []
+
+
+PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}
+
+
+def start_placement(cfg: Config) -> Placement:
+    return PLACEMENTS[cfg.placement](cfg)

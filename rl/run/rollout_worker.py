@@ -1,0 +1,186 @@
+"""A rollout engine as a Ray actor: one vLLM engine, the policy version its weights are, blocking
+or streaming generation, and the receiving side of a disaggregated weight sync."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rl.observe.timeline import traced
+from rl.run.role import Role, phase_seconds
+from rollout.config import RolloutConfig
+
+
+class RolloutRole(Role):
+    """One vLLM engine and the policy version its weights are."""
+
+    engine = None
+    policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
+    direct_load = False  # syncs copy into the engine's parameters (else vLLM's reload)
+    packed = None  # (layout digest, flat buffer) once the parameters live in one buffer
+    stream = None  # rollout.stream.GenerationLoop in the asynchronous pipeline modes
+    interruptible = True
+
+    @traced("init engine")
+    def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
+                     version: int = 0) -> str:
+        """A new engine holding `version` (the weights at model_path); returns how it runs the
+        model: "compiled" or "eager" (rollout.enforce_eager)."""
+        import gc
+
+        from rollout.vllm_engine import VLLMEngine
+
+        # an engine in this process tears down vLLM's process-wide parallel state when it goes:
+        # let the old one go before the new one sets that state up
+        self.close_engine()
+        gc.collect()
+        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
+        self.policy_version, self.packed = version, None
+        self._place_weights_directly()
+        return "eager" if self.engine.eager else "compiled"
+
+    def close_engine(self) -> None:
+        """Stop the generation loop and shut the engine down (keeping a colocated trainer's
+        process group: rollout.vllm_engine.VLLMEngine.close)."""
+        self.stop_stream()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.policy_version = self.packed = None
+
+    def free_models(self) -> None:
+        self.close_engine()
+        super().free_models()
+
+    def _place_weights_directly(self) -> None:
+        """Syncs copy each tensor into the engine's parameter when the engine keeps its weights
+        as loaded and the model's names are known (`weight_sync.direct`); else vLLM reloads."""
+        import logging
+
+        from weight_sync.direct import DirectLoad
+        from weight_sync.resharding import TPSpec
+
+        config = self.engine.hf_config
+        self.direct_load = False
+        if self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
+            spec = TPSpec.from_hf_config(config, tp_size=1)
+            self.engine.set_weight_placer(DirectLoad(self.engine.parameters(), spec))
+            self.direct_load = True
+        else:
+            logging.getLogger(__name__).warning(
+                "engine %d: weight syncs go through vLLM's reload (model_type %r, weights in "
+                "place: %s); rollout.cpu_linear=repack (or plain) with a Qwen2/Llama model "
+                "copies them directly, ~4x faster", self.rank, config.model_type,
+                self.engine.weights_in_place())
+
+    def pack_weights(self) -> str | None:
+        """Move the engine's parameters into one flat buffer so that disaggregated buckets can
+        land in it (`weight_sync.in_place`); returns its layout, or None if the engine cannot
+        take weights in place (packed CPU linears, an unknown model)."""
+        from weight_sync.in_place import EngineLayout
+
+        if not self.direct_load or self.device != "cpu":
+            return None  # the sender cuts in-place buckets from CPU shared memory only
+        params = self.engine.parameters()
+        layout = EngineLayout.of(params)
+        flat, views = layout.pack(params)
+        self.engine.rebind_parameters(views)
+        self._place_weights_directly()  # the placer must write to the packed copy
+        self.packed = (layout.digest(), flat)
+        return layout.encode()
+
+    def check_version(self, expected: int | None) -> None:
+        if expected is not None and self.policy_version != expected:
+            from weight_sync.transport import WeightSyncError
+
+            raise WeightSyncError(
+                f"rollout engine {self.rank} holds policy version {self.policy_version}, the "
+                f"controller expected {expected}: a sync was missed or failed; refusing to "
+                f"sample from a stale model")
+
+    @traced("generate")
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 constraints: list[dict | None] | None = None, n: int | None = None,
+                 version: int | None = None, greedy: bool = False) -> dict:
+        """{"groups": completions per prompt (as dicts), "stats": engine counters since last,
+        "policy_version": the version that generated them}; checks `version` first."""
+        self.check_version(version)
+        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n,
+                                   greedy=greedy)
+        return {"groups": [[asdict(c) for c in group] for group in out],
+                "stats": self.engine.take_stats(), "policy_version": self.policy_version}
+
+    # ---- streaming generation (the asynchronous pipeline modes)
+    def start_stream(self, interruptible: bool) -> None:
+        """Generate from here on in a loop of its own (rollout.stream), fed by `submit`; a sync
+        pauses it (cutting the sequences in flight when interruptible) until `resume_stream`."""
+        from rollout.stream import GenerationLoop
+
+        self.stop_stream()
+        cfg = self.engine.cfg
+        self.stream = GenerationLoop(self.engine, self.policy_version, cfg.n, cfg.max_new_tokens)
+        self.interruptible = interruptible
+
+    def stop_stream(self) -> None:
+        """End the generation loop, leaving no request in the engine (sequences in flight are
+        cut and dropped), so that blocking `generate` calls (evaluation) can use it again."""
+        if self.stream is not None:
+            if self.stream.error is None:
+                self.stream.pause(interrupt=True)
+            self.stream.stop()
+            self.stream = None
+
+    def submit(self, groups: list[tuple]) -> None:
+        """(key, prompt ids, seed, constraint) per group, to generate rollout.n samples of."""
+        self.stream.submit(groups)
+
+    def collect(self, timeout_s: float = 5.0) -> dict:
+        """{"groups": groups finished since the last call (each token with its version),
+        "stats": engine counters, "times": seconds idle or paused and sequences cut since the
+        last call (rollout.stream.GenerationLoop.take_times)}."""
+        stream = self.stream  # a call in flight when the run stops the loop still returns
+        groups = stream.collect(timeout_s)
+        return {"groups": groups, "stats": self.engine.take_stats(),
+                "times": stream.take_times()}
+
+    def stream_status(self) -> dict:
+        """{"steps": scheduler steps run, "paused": bool}, taking nothing (for tests)."""
+        return {"steps": self.stream.steps, "paused": self.stream.paused}
+
+    def resume_stream(self) -> None:
+        """After a verified sync: generation goes on under the engine's new version."""
+        if self.policy_version is None:
+            raise RuntimeError(f"rollout engine {self.rank}: no verified policy version to resume "
+                               f"generating with")
+        if self.stream is not None:
+            self.stream.resume(self.policy_version)
+
+    @traced("sync")
+    def receive_weights(self, version: int) -> dict:
+        """Disaggregated sync, receiving side (bucket size and checksum come with the layout).
+        Streaming, the loop pauses first and stays paused until `resume_stream`: nothing is
+        generated with weights the probe has not checked."""
+        import time
+
+        from weight_sync.transport import BroadcastTransport
+
+        t0 = time.perf_counter()
+        if self.stream is not None:
+            self.stream.pause(interrupt=self.interruptible)
+        self.policy_version = None  # until the whole version has arrived and checked out
+        stats = BroadcastTransport(self.sync_group, 0).receive(
+            self.engine.load_weights, version, keeps_views=not self.direct_load,
+            packed=self.packed)
+        self.engine.weights_changed()  # in-place buckets bypass load_weights
+        self.policy_version = version
+        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
+                "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
+
+    def engine_dtype(self) -> str:
+        return self.engine.dtype
+
+    @traced("verification")
+    def score_tokens(self, token_ids: list[int]) -> list[float]:
+        """The engine's logprob of each token after the first (no sampling)."""
+        return self.engine.prompt_logprobs(token_ids)
+
+
+class RolloutWorker(RolloutRole):
+    """Disaggregated: a rollout engine alone."""

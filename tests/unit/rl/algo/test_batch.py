@@ -1,0 +1,179 @@
+"""Padded micro-batches and the split of a rollout batch over mini-batches, ranks, micro-batches."""
+import pytest
+
+from rl.algo.batch import Sample, chunk, collate, plan_update, response_slice
+
+
+def sample(prompt, response, adv=0.0, lps=None):
+    return Sample(0, 0, prompt, response, lps or [0.0] * len(response), "stop", "",
+                  advantages=[adv] * len(response))
+
+
+def test_collate_left_pads_prompts_and_keeps_token_fields_response_only():
+    # every response starts at column P (= 3, the longest prompt); token fields are [B, R]
+    b = collate([sample([5, 6, 7], [8, 9], adv=0.5, lps=[-1.0, -2.0]), sample([5], [4])], pad_id=0)
+    assert "old_logprobs" not in b  # token fields appear only when every sample has them
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 4, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 1]]
+    assert b["response_mask"].tolist() == [[1, 1], [1, 0]]
+    assert b["advantages"].tolist() == [[0.5, 0.5], [0, 0]]
+    assert b["rollout_logprobs"].tolist() == [[-1.0, -2.0], [0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.data.models import build_tiny_model
+
+    path = build_tiny_model("tiny-qwen2", out_dir=tmp_path_factory.mktemp("m") / "q")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_padded_micro_batch_scores_each_response_like_the_sample_alone(tiny_lm):
+    import torch
+
+    from update.forward import response_logits, response_targets, token_logprobs
+
+    samples = [sample([5, 6, 7, 8, 9], [10, 11]), sample([5], [12, 13, 14, 15]),
+               sample([7, 8], [9]), sample([5], [16, 17])]
+    for share in (False, True):  # the shared layout runs prompt [5] once for two samples
+        b = collate(samples, pad_id=0, share_prompts=share)
+        with torch.no_grad():
+            got = token_logprobs(response_logits(tiny_lm, b), response_targets(b))
+            for i, s in enumerate(samples):
+                ids = torch.tensor([s.prompt_ids + s.response_ids])
+                alone = token_logprobs(tiny_lm(input_ids=ids).logits[:, :-1], ids[:, 1:])
+                alone = alone[0, -len(s.response_ids):]
+                assert torch.allclose(got[i, :len(s.response_ids)], alone, atol=1e-5), (share, i)
+        assert got.shape == b["response_mask"].shape
+
+
+def test_chunk_sizes_differ_by_at_most_one():
+    assert [len(c) for c in chunk(list(range(7)), 3)] == [3, 2, 2]
+    assert sum(chunk(list(range(7)), 3), []) == list(range(7))
+
+
+def test_plan_update_counts_global_tokens_and_fills_every_micro_batch():
+    samples = [sample([1, 2], [3] * (i % 3 + 1)) for i in range(16)]
+    plan = plan_update(samples, world_size=2, num_mini_batches=2, grad_accum=2, pad_id=0, seed=0)
+    assert len(plan.mini_batches) == 2
+    assert all(len(ranks) == 2 and all(len(m) == 2 for m in ranks) for ranks in plan.mini_batches)
+    assert [c.num_seqs for c in plan.counts] == [8.0, 8.0]
+    # the planned token counts equal the response tokens that land in the micro-batches
+    for ranks, counts in zip(plan.mini_batches, plan.counts):
+        assert sum(float(mb["response_mask"].sum()) for r in ranks for mb in r) == counts.num_tokens
+    assert sum(c.num_tokens for c in plan.counts) == sum(len(s.response_ids) for s in samples)
+
+
+def test_plan_update_refuses_a_split_that_leaves_a_micro_batch_empty():
+    with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
+        plan_update([sample([1], [2])] * 4, world_size=2, num_mini_batches=1, grad_accum=4,
+                    pad_id=0, seed=0)
+
+
+def test_response_slice_inverts_collate():
+    s = sample([5, 6, 7], [8, 9], adv=0.25)
+    b = collate([s, sample([1], [2, 3, 4])], pad_id=0)
+    assert response_slice(s, b["advantages"][0]) == [0.25, 0.25]
+
+
+def grouped_samples(seed: int = 0):
+    """3 prompts x 3 samples of different lengths, each with advantages and rollout logprobs."""
+    import random
+
+    rng = random.Random(seed)
+    samples = []
+    for g in range(3):
+        prompt = [rng.randrange(3, 300) for _ in range(3 + 2 * g)]
+        for _ in range(3):
+            response = [rng.randrange(3, 300) for _ in range(rng.randint(1, 5))]
+            s = sample(prompt, response, adv=rng.uniform(-1, 1),
+                       lps=[-rng.uniform(1, 3) for _ in response])
+            s.group = g
+            samples.append(s)
+    return samples
+
+
+def test_shared_prompt_layout_holds_each_prompt_once_and_expands_to_the_full_layout():
+    from update.forward import full_layout
+
+    samples = grouped_samples()
+    shared = collate(samples, pad_id=0, share_prompts=True)
+    assert shared["prompt_ids"].shape[0] == 3 and "input_ids" not in shared
+    assert shared["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    full = collate(samples, pad_id=0)
+    expanded = full_layout(shared)
+    assert sorted(expanded) == sorted(full)
+    for key in full:  # the same tensors, exactly: the trainer may take either layout
+        assert expanded[key].tolist() == full[key].tolist(), key
+
+
+def test_shared_prompt_forward_gives_the_full_layouts_loss_and_gradients(tiny_lm):
+    """Gradients flow back into each prompt's pass through its cached keys and values."""
+    import torch
+
+    from update.forward import response_logits, response_targets, token_logprobs
+
+    samples = grouped_samples(1)
+    grads, values = [], []
+    for share in (False, True):
+        b = collate(samples, pad_id=0, share_prompts=share)
+        tiny_lm.zero_grad()
+        logprobs = token_logprobs(response_logits(tiny_lm, b), response_targets(b))
+        loss = (logprobs * b["advantages"] * b["response_mask"]).sum() / b["response_mask"].sum()
+        loss.backward()
+        values.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_lm.parameters()]))
+    tiny_lm.zero_grad()
+    assert values[1] == pytest.approx(values[0], abs=1e-6)
+    assert float(grads[0].abs().max()) > 1e-3  # the comparison means something
+    assert float((grads[1] - grads[0]).abs().max()) <= 1e-6
+
+
+def test_check_shared_prompts_passes_on_a_real_model_and_fails_on_a_forward_that_drops_the_cache(
+        tiny_lm):
+    import torch
+
+    from update.forward import check_shared_prompts
+
+    diff, error = check_shared_prompts(tiny_lm, tiny_lm.config.vocab_size)
+    assert diff <= 1e-5 and error == ""
+
+    class NoCache(torch.nn.Module):  # a model whose forward ignores past keys and values
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, past_key_values=None, **kw):
+            return self.inner(**kw)
+
+    diff, _ = check_shared_prompts(NoCache(tiny_lm), tiny_lm.config.vocab_size)
+    assert diff > 0.1
+
+
+def test_the_start_up_check_runs_on_a_small_float32_copy_of_the_architecture(tiny_lm):
+    import torch
+
+    from update.forward import check_model_class
+
+    state = torch.random.get_rng_state()
+    diff, error = check_model_class(tiny_lm.config)
+    assert diff <= 1e-5 and error == ""
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run's random state is its own
+
+
+def test_plan_update_with_shared_prompts_keeps_each_group_in_one_micro_batch():
+    samples = [sample([g, g + 1], [3] * (i % 3 + 1)) for g in range(8) for i in range(4)]
+    for g in range(8):
+        for s in samples[4 * g:4 * g + 4]:
+            s.group = g
+    plan = plan_update(samples, world_size=2, num_mini_batches=2, grad_accum=2, pad_id=0, seed=3,
+                       share_prompts=True)
+    micro_batches = [mb for ranks in plan.mini_batches for r in ranks for mb in r]
+    assert len(micro_batches) == 8
+    for mb in micro_batches:  # 4 samples of one prompt: one prompt row each
+        assert mb["prompt_ids"].shape[0] == 1 and mb["prompt_index"].tolist() == [0] * 4
+    assert sum(c.num_tokens for c in plan.counts) == sum(len(s.response_ids) for s in samples)
