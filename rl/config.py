@@ -4,7 +4,10 @@ is allowed.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
 
 from rl.schema import PIPELINE_MODES, PLACEMENTS, Config, RunConfig
 from rollout.config import CPU_LINEAR
@@ -73,12 +76,72 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e, schema, path)) from None
+    recipe = layers[0] if path is not None else None
+    for key, value, bound in out_of_bounds(cfg):
+        want = "a finite number" if bound == "any" else f"a value {bound}"
+        raise ConfigError(f"config key '{key}' = {value!r} ({_source(key, path, recipe, overrides)})"
+                          f" is out of range: give {want}")
     validate(cfg)
     return cfg
 
 
+def within(value: float, bound: str) -> bool:
+    """Whether value meets a field's declared bound: alternatives joined by ' or ', each '> x',
+    '>= x', '< x', '<= x', 'in [a, b]' (round brackets: open ends), a bare number (that value),
+    or 'any' (any finite number). NaN and infinities meet no bound."""
+    if not math.isfinite(value):
+        return False
+    for rule in bound.split(" or "):
+        rule = rule.strip()
+        interval = re.fullmatch(r"in ([\[(])\s*([-\d.e]+),\s*([-\d.e]+)\s*([\])])", rule)
+        compare = re.fullmatch(r"(>=|<=|>|<)\s*([-\d.e]+)", rule)
+        if rule == "any":
+            return True
+        if interval:
+            lo, hi = float(interval[2]), float(interval[3])
+            if ((lo <= value if interval[1] == "[" else lo < value)
+                    and (value <= hi if interval[4] == "]" else value < hi)):
+                return True
+        elif compare:
+            x = float(compare[2])
+            if {">": value > x, ">=": value >= x, "<": value < x, "<=": value <= x}[compare[1]]:
+                return True
+        elif value == float(rule):  # a bare number; anything else is a typo in the schema
+            return True
+    return False
+
+
+def out_of_bounds(node, prefix: str = ""):
+    """(key, value, bound) of every numeric field of a config (sections and lists of sections
+    included) that is set and outside the bound its field declares (metadata["bound"])."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield from out_of_bounds(value, key + ".")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from out_of_bounds(item, f"{key}[{i}].")
+        elif ("bound" in f.metadata and isinstance(value, (int, float))
+              and not isinstance(value, bool) and not within(value, f.metadata["bound"])):
+            yield key, value, f.metadata["bound"]
+
+
+def _source(key: str, path: str | None, recipe, overrides) -> str:
+    """Where a key's value came from: the last override that sets it, else the recipe file."""
+    from omegaconf import OmegaConf
+
+    plain = re.sub(r"\[\d+\]", "", key)  # reward.functions[0].weight: set with the list
+    for item in reversed(list(overrides)):
+        name = item.split("=", 1)[0].strip()
+        if name == key or plain.startswith(name):
+            return f"from the override {item}"
+    if recipe is not None and OmegaConf.select(recipe, key, default=None) is not None:
+        return f"from {path}"
+    return "the default"
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks a type cannot express."""
+    """Cross-field checks that neither a type nor a field's bound can express."""
     samples = cfg.rollout.prompts_per_step * cfg.rollout.n
     split = cfg.ray.num_workers * cfg.algorithm.num_mini_batches
     if samples % split:
@@ -110,9 +173,6 @@ def validate(cfg: Config) -> None:
                           f"of: {', '.join(CPU_LINEAR)}")
     if algo.old_logprobs not in ("auto", "pass"):
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs!r}: use auto or pass")
-    if cfg.trainer.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"trainer.zero_stage={cfg.trainer.zero_stage}: use 0 (no sharding), "
-                          f"1, 2 or 3")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"trainer.dtype={cfg.trainer.dtype!r}: use float32 or bfloat16")
     if cfg.trainer.bf16_mode not in ("weights", "autocast"):
@@ -123,8 +183,6 @@ def validate(cfg: Config) -> None:
                           "placement=disaggregated (colocated workers take ray.trainer_resources)")
     check_pipeline(cfg)
     check_eval(cfg)
-    if not 0.0 <= cfg.warmup.answer_noise <= 1.0:
-        raise ConfigError(f"warmup.answer_noise={cfg.warmup.answer_noise}: use a value in [0, 1]")
     if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
         raise ConfigError(f"warmup.noise_offsets={cfg.warmup.noise_offsets}: a near miss needs a "
                           f"non-zero offset, e.g. [1] or [-3, -2, -1, 1, 2, 3]")
@@ -141,8 +199,6 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"pipeline.mode={pipe.mode} overlaps generation with the update, but "
                           f"placement={cfg.placement} runs both roles on the same cores, taking "
                           f"turns; set placement=disaggregated (or pipeline.mode=sync)")
-    if pipe.max_staleness < 0:
-        raise ConfigError(f"pipeline.max_staleness={pipe.max_staleness}: use 0 or more")
     if cfg.rollout.speculative_method is not None:
         raise ConfigError(f"rollout.speculative_method={cfg.rollout.speculative_method} with "
                           f"pipeline.mode={pipe.mode}: streaming engines do not rescore the "
@@ -156,15 +212,9 @@ def check_pipeline(cfg: Config) -> None:
 
 def check_eval(cfg: Config) -> None:
     data, t = cfg.data, cfg.trainer
-    if not 0.0 <= data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction={data.eval_fraction}: use a value in [0, 1) "
-                          f"(0: no held-out split)")
     if data.eval_path and data.eval_fraction:
         raise ConfigError("data.eval_path and data.eval_fraction both give a held-out set; "
                           "set one (data.eval_fraction=0 to use the file)")
-    if t.eval_every < 0 or t.eval_k < 0:
-        raise ConfigError(f"trainer.eval_every={t.eval_every}, trainer.eval_k={t.eval_k}: use 0 "
-                          f"or more")
     if t.eval_every and not (data.eval_path or data.eval_fraction):
         raise ConfigError(f"trainer.eval_every={t.eval_every} needs a held-out set: set "
                           f"data.eval_fraction (e.g. 0.1) or data.eval_path")
@@ -188,8 +238,6 @@ def check_loggers(run: RunConfig) -> None:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"run.loggers has {name!r} but the {package} package is not "
                               f"installed; pip install -e '.[log]' (scripts/setup.sh does)")
-    if run.timeline_steps < 0:
-        raise ConfigError(f"run.timeline_steps={run.timeline_steps}: use 0 (none) or more")
 
 
 def grad_accum_steps(cfg: Config) -> int:

@@ -17,16 +17,16 @@ class RunConfig:
     "Run name: outputs go to <output_dir>/<name>/."
     output_dir: str = "runs"
     "Parent directory of run directories."
-    seed: int = 0
+    seed: int = field(default=0, metadata={"bound": ">= 0"})
     "Seed for data order, sampling and model building."
-    log_samples: int = 2
+    log_samples: int = field(default=2, metadata={"bound": ">= -1"})
     "Completions printed to rollouts.jsonl per step (all are kept when -1)."
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
     ("Where metrics go: jsonl (metrics.jsonl, always), tensorboard (event files in "
      "<run>/tensorboard), wandb (offline in <run>/wandb unless WANDB_API_KEY is set).")
     wandb_project: str = "rlstack"
     "W&B project of the run (with run.loggers including wandb)."
-    timeline_steps: int = 20
+    timeline_steps: int = field(default=20, metadata={"bound": ">= 0"})
     "RL steps recorded in timeline.json (Chrome trace; opens in Perfetto); 0 writes none."
 
 
@@ -46,9 +46,9 @@ class DataConfig:
     "Row field holding the prompt: a user message string or a list of chat messages."
     system_prompt: Optional[str] = None
     "A system message prepended to string prompts (None: no system message)."
-    num_rows: int = 4000
+    num_rows: int = field(default=4000, metadata={"bound": ">= 1"})
     "Rows of builtin:arithmetic to generate."
-    max_operand: int = 20
+    max_operand: int = field(default=20, metadata={"bound": ">= 0"})
     "builtin:arithmetic operands lie in [0, max_operand]."
     task_config: Dict[str, Any] = field(default_factory=dict)
     ("reasoning_gym:<task>: the task's own settings (e.g. {min_terms: 2, max_terms: 3}); "
@@ -60,20 +60,20 @@ class DataConfig:
     eval_path: Optional[str] = None
     ("Held-out prompts (a file like train_path): evaluated, never trained on; training rows with "
      "the same prompt text are dropped from RL and the warm-up.")
-    eval_fraction: float = 0.0
+    eval_fraction: float = field(default=0.0, metadata={"bound": "in [0, 1)"})
     ("Without eval_path: hold out this fraction of the training file's distinct prompt texts "
      "(every row with a held-out text; the same texts whatever run.seed).")
 
 
 @dataclass
 class WarmupConfig:
-    sft_steps: int = 0
+    sft_steps: int = field(default=0, metadata={"bound": ">= 0"})
     "Supervised steps on the task's answers before RL (0: start from model.path as is)."
-    lr: float = 2e-3
+    lr: float = field(default=2e-3, metadata={"bound": "> 0"})
     "Warm-up learning rate."
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata={"bound": ">= 1"})
     "Warm-up samples per optimizer step (all ranks together)."
-    answer_noise: float = 0.0
+    answer_noise: float = field(default=0.0, metadata={"bound": "in [0, 1]"})
     "Fraction of warm-up targets replaced by a near-miss number: a deliberately imperfect base."
     noise_offsets: List[int] = field(default_factory=lambda: [-3, -2, -1, 1, 2, 3])
     ("What a near-miss target adds to the answer, drawn uniformly; [1] makes a base model that "
@@ -90,19 +90,19 @@ class AlgorithmConfig:
     "Advantage estimator in rl.algo.advantages.ADVANTAGE_ESTIMATORS (grpo, dr_grpo, rloo, reinforce_pp, gae)."
     norm_by_std: bool = True
     "grpo: divide group-centred rewards by the group std."
-    eps: float = 1e-6
+    eps: float = field(default=1e-6, metadata={"bound": "> 0"})
     "grpo: added to the group std."
     reinforce_pp_group_baseline: bool = False
     "reinforce_pp: subtract the group mean score first (REINFORCE++-baseline)."
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata={"bound": "in [0, 1]"})
     "Discount of token rewards (reinforce_pp, gae); 1.0 as in verl/OpenRLHF for LLMs."
-    lam: float = 0.95
+    lam: float = field(default=0.95, metadata={"bound": "in [0, 1]"})
     "GAE lambda."
     critic: bool = False
     "Train a value model beside the policy (PPO); needed by advantage: gae."
-    num_mini_batches: int = 1
+    num_mini_batches: int = field(default=1, metadata={"bound": ">= 1"})
     "Optimizer steps per epoch over the rollout batch (the batch is split into this many)."
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata={"bound": ">= 1"})
     "Passes over the rollout batch per step (old logprobs are computed once, before them)."
     old_logprobs: str = "auto"
     ("auto: when the update is one optimizer step on the batch (1 epoch, 1 mini-batch, no critic, "
@@ -110,11 +110,11 @@ class AlgorithmConfig:
      "pass of their own (as TRL does); pass: always a separate forward before the update.")
     dynamic_sampling: bool = False
     "DAPO: drop groups whose rewards are all equal and sample more prompts to fill the batch."
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = field(default=4, metadata={"bound": ">= 1"})
     "Dynamic sampling: rollout rounds per step at most; then flat groups fill what is missing."
-    overlong_buffer: int = 0
+    overlong_buffer: int = field(default=0, metadata={"bound": ">= 0"})
     "DAPO overlong shaping: tokens before rollout.max_new_tokens where a linear penalty starts; 0 = off."
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = field(default=1.0, metadata={"bound": ">= 0"})
     "Reward subtracted at full length under overlong shaping."
     loss: LossConfig = field(default_factory=LossConfig)
     "Policy loss, clipping, aggregation, KL, entropy and TIS."
@@ -131,7 +131,7 @@ class AlgorithmConfig:
 class RewardTerm:
     name: str = "exact_answer"
     "A built-in, an entry point (group rlstack.rewards), module:function or path/file.py:function."
-    weight: float = 1.0
+    weight: float = field(default=1.0, metadata={"bound": "any"})
     "Weight of this term in the total reward."
     alias: Optional[str] = None
     "Metric name, reward/<alias>/mean (default: the function's name)."
@@ -143,22 +143,22 @@ class RewardTerm:
 class RewardConfig:
     functions: List[RewardTerm] = field(default_factory=lambda: [RewardTerm()])
     "The reward terms; the total reward is their weighted sum."
-    fallback: float = 0.0
+    fallback: float = field(default=0.0, metadata={"bound": "any"})
     "Value of a term whose call raised, timed out, or returned a non-number/NaN."
-    timeout_s: float = 10.0
+    timeout_s: float = field(default=10.0, metadata={"bound": "> 0"})
     "Wall-clock limit of one reward call (one sample, or one batch for batched rewards)."
-    num_workers: int = 2
+    num_workers: int = field(default=2, metadata={"bound": ">= 1"})
     "Processes that run reward calls in parallel."
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata={"bound": ">= 1"})
     "Samples per call of a batched reward."
 
 
 @dataclass
 class SyncConfig:
-    bucket_mb: float = 32.0
+    bucket_mb: float = field(default=32.0, metadata={"bound": "> 0"})
     ("Largest bucket of weights in MiB where a sync goes by buckets (disaggregated; colocated "
      "only when the engines cannot share one copy of the weights); a sync holds two.")
-    tolerance: Optional[float] = None
+    tolerance: Optional[float] = field(default=None, metadata={"bound": "> 0"})
     ("Largest allowed |trainer - engine| probe logprob after a sync; None: by dtype "
      "(weight_sync.verify): 1e-3 when trainer and engines compute in float32; with bfloat16 on "
      "either side 5x the difference measured at start-up, when both hold the base model (bf16 "
@@ -166,7 +166,7 @@ class SyncConfig:
      "The value used is the metric sync/tolerance, the start-up difference sync/probe_noise.")
     checksum: str = "sum64"
     "Disaggregated: per-bucket checksum verified on arrival (sum64: fast, on device; crc32)."
-    timeout_s: float = 600.0
+    timeout_s: float = field(default=600.0, metadata={"bound": "> 0"})
     "Disaggregated: seconds a sync-group operation may wait for a peer before it fails."
 
 
@@ -174,17 +174,17 @@ class SyncConfig:
 class RayConfig:
     address: Optional[str] = None
     "None: start a local Ray instance; 'auto' or host:port: join an existing cluster."
-    num_workers: int = 2
+    num_workers: int = field(default=2, metadata={"bound": ">= 1"})
     "Trainer ranks (DeepSpeed); colocated, each also holds one rollout engine."
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = field(default=1.0, metadata={"bound": ">= 0"})
     "CPUs Ray reserves per trainer rank (colocated: per worker)."
-    num_gpus_per_worker: float = 0.0
+    num_gpus_per_worker: float = field(default=0.0, metadata={"bound": ">= 0"})
     "GPUs Ray reserves per trainer rank (1.0 on a GPU cluster)."
-    num_rollout_workers: int = 2
+    num_rollout_workers: int = field(default=2, metadata={"bound": ">= 0"})
     "Disaggregated: rollout engines (one vLLM each, in actors of their own)."
-    num_cpus_per_rollout_worker: float = 1.0
+    num_cpus_per_rollout_worker: float = field(default=1.0, metadata={"bound": ">= 0"})
     "Disaggregated: CPUs Ray reserves per rollout engine."
-    num_gpus_per_rollout_worker: float = 0.0
+    num_gpus_per_rollout_worker: float = field(default=0.0, metadata={"bound": ">= 0"})
     "Disaggregated: GPUs Ray reserves per rollout engine (1.0 on a GPU cluster)."
     trainer_resources: Dict[str, float] = field(default_factory=dict)
     ("Ray custom resources each trainer rank (colocated: each worker) asks for, e.g. "
@@ -210,7 +210,7 @@ class PipelineConfig:
      "while this step updates (max_staleness 1); fully_async: groups stream from the engines, "
      "the trainer takes the oldest finished ones within max_staleness. The async modes need "
      "placement=disaggregated.")
-    max_staleness: int = 1
+    max_staleness: int = field(default=1, metadata={"bound": ">= 0"})
     ("fully_async: an update that starts from policy version u trains only on samples whose "
      "first token came from version v >= u - max_staleness (one_step is 1 whatever this says).")
     interruptible: bool = True

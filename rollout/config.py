@@ -9,28 +9,28 @@ CPU_LINEAR = ("auto", "plain", "repack", "packed")
 
 @dataclass
 class RolloutConfig:
-    n: int = 8
+    n: int = field(default=8, metadata={"bound": ">= 1"})
     "Samples per prompt (the GRPO group size G)."
-    prompts_per_step: int = 16
+    prompts_per_step: int = field(default=16, metadata={"bound": ">= 1"})
     "Prompts drawn per RL step; the rollout batch is prompts_per_step * n samples."
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"bound": "> 0"})
     "Sampling temperature; the trainer divides its logits by the same value."
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"bound": "in (0, 1]"})
     "Nucleus sampling mass (1.0: off)."
-    top_k: int = 0
+    top_k: int = field(default=0, metadata={"bound": ">= 0"})
     "Sample among the k most likely tokens (0: off)."
-    min_p: float = 0.0
+    min_p: float = field(default=0.0, metadata={"bound": "in [0, 1]"})
     "Drop tokens below min_p times the top token's probability (0: off)."
-    max_new_tokens: int = 16
+    max_new_tokens: int = field(default=16, metadata={"bound": ">= 1"})
     "Longest response in tokens."
-    min_new_tokens: int = 0
+    min_new_tokens: int = field(default=0, metadata={"bound": ">= 0"})
     ("Shortest response in tokens: eos and stop tokens are not sampled before (vLLM's "
      "min_tokens); benchmarks set it to max_new_tokens so that every row does the same work.")
     stop: List[str] = field(default_factory=list)
     "Stop strings (not included in the response)."
     stop_token_ids: List[int] = field(default_factory=list)
     "Extra token ids that end a response (the tokenizer's eos always does)."
-    max_model_len: int = 512
+    max_model_len: int = field(default=512, metadata={"bound": ">= 2"})
     "Longest prompt + response the engine accepts; longer prompts are filtered out up front."
     dtype: str = "float32"
     "vLLM weights/activations dtype: float32, bfloat16 or auto."
@@ -38,7 +38,7 @@ class RolloutConfig:
     "Which logprobs vLLM returns; processed_logprobs (after temperature) match the trainer's."
     enable_prefix_caching: bool = True
     "Reuse KV blocks of shared prompt prefixes (reset after every weight sync)."
-    block_size: int = 32
+    block_size: int = field(default=32, metadata={"bound": ">= 1"})
     "KV block size in tokens; the CPU default (128) caches only full 128-token blocks."
     cpu_linear: str = "auto"
     ("CPU linears: repack (oneDNN's packed kernels, the weights kept beside them: syncs copy into "
@@ -51,25 +51,25 @@ class RolloutConfig:
      "compiled on GPU, and on CPU for models of compile_min_params or more (SmolLM2-135M: "
      "1.07-1.24x (fp32) and 1.16x (bf16) the eager engine's tokens/s in benchmarks/vs_trl.py; its "
      "first start compiles for ~60 s, later ones take ~15 s). Speculative decoding stays eager.")
-    compile_min_params: int = 50_000_000
+    compile_min_params: int = field(default=50_000_000, metadata={"bound": ">= 0"})
     ("enforce_eager None on CPU: the smallest model that is compiled. The quickstart's 0.5M "
      "model generated no faster compiled (0.064-0.068 s a step against 0.067-0.076 eager).")
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = field(default=1.0, metadata={"bound": "> 0"})
     ("Most KV cache per engine on CPU, in GiB. An engine takes less when vLLM-CPU's 256 "
      "sequences at once (its max_num_seqs) of max_model_len tokens fit in less: the quickstart's "
      "0.5M model needs 0.125 GiB, and its engine starts 1.2 s sooner than with 1 GiB (the cache "
      "is zeroed at start). SmolLM2-135M would need 5.6 GiB: it gets kv_cache_gib.")
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = field(default=0.5, metadata={"bound": "in (0, 1]"})
     "Fraction of GPU memory for the engine when colocated with training on a GPU."
     speculative_method: Optional[str] = None
     "Speculative decoding: None (off), ngram (prompt lookup) or draft (a small model)."
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = field(default=3, metadata={"bound": ">= 1"})
     "Tokens proposed per speculation step."
     draft_model: Optional[str] = None
     "speculative_method=draft: a local model directory with the same tokenizer."
-    prompt_lookup_max: int = 4
+    prompt_lookup_max: int = field(default=4, metadata={"bound": ">= 1"})
     "ngram: longest n-gram matched in the prompt."
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = field(default=1, metadata={"bound": ">= 1"})
     "ngram: shortest n-gram matched in the prompt."
     json_schema_key: str = "json_schema"
     "Row field with a JSON schema that the sample's output must follow (absent: free text)."

@@ -1,36 +1,36 @@
 """Typed configuration of the update side (DeepSpeed trainers and their losses)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class TrainerConfig:
-    zero_stage: int = 3
+    zero_stage: int = field(default=3, metadata={"bound": "in [0, 3]"})
     ("DeepSpeed ZeRO stage: 3 shards parameters, gradients and optimizer state over the ranks; "
      "2 gradients and optimizer state; 1 optimizer state; 0 nothing (every rank holds it all: "
      "DeepSpeed's plain data parallel, the fit for one worker, where ZeRO-1/2's flat buffers "
      "made the optimizer step of SmolLM2-135M 1.4-2.3 s instead of 0.4 s on CPU).")
-    zero3_persistence_threshold: int = 0
+    zero3_persistence_threshold: int = field(default=0, metadata={"bound": ">= 0"})
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     dtype: str = "float32"
     "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
     bf16_mode: str = "weights"
     ("How bfloat16 trains: weights (DeepSpeed bf16: bf16 weights and gradients, fp32 master "
      "copy in the optimizer) or autocast (fp32 weights, matmuls in bf16 under torch.autocast).")
-    lr: float = 1e-5
+    lr: float = field(default=1e-5, metadata={"bound": "> 0"})
     "AdamW learning rate of the policy."
-    critic_lr: float = 1e-4
+    critic_lr: float = field(default=1e-4, metadata={"bound": "> 0"})
     "AdamW learning rate of the critic (PPO's value model)."
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata={"bound": ">= 0"})
     "AdamW weight decay."
-    beta1: float = 0.9
+    beta1: float = field(default=0.9, metadata={"bound": "in [0, 1)"})
     "AdamW beta1."
-    beta2: float = 0.999
+    beta2: float = field(default=0.999, metadata={"bound": "in [0, 1)"})
     "AdamW beta2."
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata={"bound": ">= 0"})
     "Global gradient-norm clip; 0 turns it off."
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata={"bound": ">= 1"})
     "Samples per forward/backward on one rank; gradient accumulation covers the rest."
     gradient_checkpointing: bool = False
     "Recompute activations in backward (less memory, about 30% more time)."
@@ -38,22 +38,22 @@ class TrainerConfig:
     ("Run each distinct prompt of a micro-batch once and its responses on its cached keys and "
      "values (update.forward; the same logits, 2.6x less work on the quickstart); checked at "
      "start-up, off under gradient checkpointing.")
-    total_steps: int = 20
+    total_steps: int = field(default=20, metadata={"bound": ">= 1"})
     "RL steps (one rollout batch and its update each)."
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata={"bound": ">= 0"})
     "Save a checkpoint (rl-train --resume continues from it) every N steps; 0 saves none."
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = field(default=0, metadata={"bound": ">= 0"})
     "Keep only the newest N checkpoints; 0 keeps all."
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata={"bound": ">= 0"})
     ("When an actor dies (killed, out of memory): restart the placement from the latest "
      "checkpoint up to N times; 0 stops the run with the command that resumes it.")
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata={"bound": ">= 0"})
     ("Held-out evaluation (data.eval_path or data.eval_fraction) every N RL steps; with a "
      "held-out set the run always evaluates before step 1 and after the last; 0: only those two.")
-    eval_k: int = 8
+    eval_k: int = field(default=8, metadata={"bound": ">= 0"})
     ("Held-out evaluation: samples per prompt at rollout.temperature for pass@k (besides the "
      "greedy one); 0: greedy only.")
-    eval_threshold: float = 1.0
+    eval_threshold: float = field(default=1.0, metadata={"bound": "any"})
     ("Held-out evaluation: a response counts as correct when its reward reaches this (1.0: a "
      "verifier's full marks, e.g. exact_answer).")
 
@@ -62,23 +62,23 @@ class TrainerConfig:
 class LossConfig:
     policy_loss: str = "ppo_clip"
     "Policy loss registered in update.losses.POLICY_LOSSES (ppo_clip, gspo, pg)."
-    clip_low: float = 0.2
+    clip_low: float = field(default=0.2, metadata={"bound": "in [0, 1)"})
     "Lower clip range of the importance ratio (1 - clip_low)."
-    clip_high: float = 0.2
+    clip_high: float = field(default=0.2, metadata={"bound": ">= 0"})
     "Upper clip range (1 + clip_high); DAPO's clip-higher raises it to 0.28."
-    clip_ratio_c: float = 0.0
+    clip_ratio_c: float = field(default=0.0, metadata={"bound": "> 1 or 0"})
     "Dual-clip bound for negative advantages (Ye et al. 2020; 3.0 is usual); 0 turns it off."
     loss_agg: str = "token_mean"
     "Aggregation registered in update.losses.LOSS_AGGREGATIONS."
-    kl_coef: float = 0.0
+    kl_coef: float = field(default=0.0, metadata={"bound": ">= 0"})
     "Weight of KL(policy || reference); 0 skips the reference model entirely."
     kl_estimator: str = "k3"
     "KL estimator registered in update.losses.KL_ESTIMATORS (k1, k2, k3)."
     use_kl_loss: bool = True
     "True: KL is a loss term (GRPO); False: a per-token reward penalty (PPO, REINFORCE++)."
-    entropy_coef: float = 0.0
+    entropy_coef: float = field(default=0.0, metadata={"bound": ">= 0"})
     "Weight of the entropy bonus (subtracted from the loss)."
-    tis_cap: float = 2.0
+    tis_cap: float = field(default=2.0, metadata={"bound": ">= 0"})
     "Cap of the off-policy correction's weight pi_trainer / pi_rollout (see correction); 0 = off."
     correction: str = "tis"
     ("Off-policy correction in update.losses.CORRECTIONS, between the behavior policy (the "
@@ -86,5 +86,5 @@ class LossConfig:
      "tis (ratio to proximal, weight min(proximal/behavior, tis_cap)), decoupled (ratio to "
      "proximal, weight proximal/behavior, tokens above tis_cap dropped: decoupled PPO as AReaL), "
      "none (ratio and clip to the behavior policy, no weight).")
-    value_clip: float = 0.2
+    value_clip: float = field(default=0.2, metadata={"bound": "> 0"})
     "PPO critic: clip range of new values around the old ones."

@@ -1,6 +1,7 @@
 """Rollout features on the real vLLM (tiny local models, engines inside Ray workers):
 speculative decoding keeps logprobs exact, per-sample structured outputs, prefix-cache hit rate
 and its reset after a weight sync, reproducible seeds."""
+import dataclasses
 import json
 from contextlib import contextmanager
 
@@ -55,6 +56,13 @@ def engine_as(ray, w, path: str, cfg):
         ray.get(w.init_rollout.remote(path, load_config(None, PLAIN).rollout, 0))
 
 
+def greedy_config(overrides: list[str]):
+    """A config whose engines sample at temperature 0 (greedy): an engine-only setting, which
+    rl-train refuses (the trainer divides its logits by the temperature)."""
+    cfg = load_config(None, overrides)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.0))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, tmp_path):
     """Greedy output with speculation equals greedy output without it (rejection sampling keeps
@@ -62,15 +70,15 @@ def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, t
     ray, w = plain
     path, tok = model_and_tokenizer
     common = ["rollout.n=1", "algorithm.advantage=reinforce_pp", "rollout.max_new_tokens=16",
-              "rollout.prompts_per_step=2", "rollout.temperature=0.0"]
+              "rollout.prompts_per_step=2"]
     extra = [f"rollout.speculative_method={method}", "rollout.num_speculative_tokens=3"]
     if method == "draft":
         draft = build_tiny_model("tiny-qwen2", seed=9, out_dir=tmp_path / "draft")
         extra.append(f"rollout.draft_model={draft}")
     prompts = [prompt_ids(tok), prompt_ids(tok, "Say 5 5 5 5 5 5 5 5")]
-    with engine_as(ray, w, path, load_config(None, common + extra)) as spec:
+    with engine_as(ray, w, path, greedy_config(common + extra)) as spec:
         out = ray.get(spec.generate.remote(prompts, [1, 2]))
-    with engine_as(ray, w, path, load_config(None, common)) as greedy:  # also the reference
+    with engine_as(ray, w, path, greedy_config(common)) as greedy:  # also the reference
         base = ray.get(greedy.generate.remote(prompts, [1, 2]))
         assert 0.0 <= out["stats"]["rollout/spec_accept_rate"] <= 1.0
         for p, group, base_group in zip(prompts, out["groups"], base["groups"]):

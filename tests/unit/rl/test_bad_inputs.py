@@ -65,7 +65,7 @@ CONFIG_CASES = {
                               ["do not split evenly", "ray.num_workers"]),
     "unknown placement": (["placement=sideways"], ["placement", "disaggregated"]),
     "unknown trainer dtype": (["trainer.dtype=float8"], ["trainer.dtype", "bfloat16"]),
-    "unknown ZeRO stage": (["trainer.zero_stage=5"], ["trainer.zero_stage", "1, 2 or 3"]),
+    "unknown ZeRO stage": (["trainer.zero_stage=5"], ["trainer.zero_stage", "in [0, 3]"]),
     "unknown logger": (["run.loggers=[jsonl,tensorbord]"], ["run.loggers", "tensorboard"]),
     "gae without a critic": (["algorithm.advantage=gae"], ["algorithm.critic=true"]),
     "missing model": (["model.path=/nonexistent/model"], ["model.path", "does not exist"]),

@@ -23,7 +23,8 @@ def test_defaults_and_overrides():
     ("algorithm.loss.klcoef=1", "algorithm.loss.klcoef.*Did you mean: 'kl_coef'"),
     ("rollout", "override 'rollout' is not key=value"),
     ("rollout.n=3 rollout.prompts_per_step=5", "15 samples do not split evenly"),
-    ("trainer.zero_stage=4", r"trainer.zero_stage=4: use 0 \(no sharding\), 1, 2 or 3"),
+    ("trainer.zero_stage=4", r"config key 'trainer.zero_stage' = 4 \(from the override "
+                             r"trainer.zero_stage=4\) is out of range: give a value in \[0, 3\]"),
     ("placement=split", "placement='split' is not known; use one of: colocated, disaggregated"),
     ("placement=disaggregated ray.num_rollout_workers=0", "needs at least one rollout engine"),
     ("sync.checksum=md5", "sync.checksum='md5' is not known; use one of: sum64, crc32"),
