@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -39,7 +40,8 @@ def phases(metrics: dict) -> str:
                      for k, v in metrics.items() if k.endswith("_seconds") and k != "sync/seconds")
 
 
-def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear: str) -> dict:
+def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear: str,
+               dtype: str) -> dict:
     import probes
     import ray
 
@@ -50,8 +52,10 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
 
     cfg = load_config(None, [f"placement={kind}", f"model.path={model}", f"sync.bucket_mb={bucket_mb}",
                              "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
-                             "rollout.max_model_len=256", "sync.tolerance=1e-2",
-                             f"rollout.cpu_linear={cpu_linear}"])
+                             "rollout.max_model_len=256", f"rollout.cpu_linear={cpu_linear}",
+                             f"trainer.dtype={dtype}", f"rollout.dtype={dtype}"]
+                     # bf16: the tolerance is calibrated on the base model, as a run does
+                     + (["sync.tolerance=1e-2"] if dtype == "float32" else []))
     from rl.data.models import resolve_model_path
 
     path = resolve_model_path(model)
@@ -61,6 +65,7 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
                  for t in placement.trainers])
         placement.init_rollout(path, 0)
         probe = list(range(3, 40))
+        placement.measure_probe_noise(probe)
         first = placement.sync(1, probe)  # also warms the path up
         runs = [placement.sync(v, probe) for v in range(2, 2 + repeats)]
         times = [m["sync/seconds"] for m in runs]
@@ -78,7 +83,13 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
                               for t in placement.trainers]))
         reload = max(ray.get([e.call.remote(probes.measure_reload, path) for e in placement.engines]))
         best = min(times)
-        return {"placement": kind, "bytes": nbytes, "buckets": int(first["sync/num_buckets"]),
+        probe = [m.get("sync/probe_trainer_seconds", math.nan)
+                 + m.get("sync/probe_engine_seconds", 0)
+                 for m in runs]  # colocated only: timed inside the workers
+        return {"exact_s": statistics.median(m["sync/exact_seconds"] for m in runs),
+                "exact_ranges": int(first["sync/exact_ranges"]),
+                "probe_s": statistics.median(probe), "placement": kind, "bytes": nbytes,
+                "buckets": int(first["sync/num_buckets"]),
                 "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
                 "limit": what, "GBps_limit": nbytes / limit / 1e9, "ratio": best / limit,
                 "probe_diff": first["sync/logprob_max_abs_diff"], "gather_s": gather,
@@ -111,6 +122,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=SyncConfig.bucket_mb,
                    help="bucket size (default: sync.bucket_mb's default)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="trainer and engines")
     p.add_argument("--steps", type=int, default=20, help="quickstart steps per placement (0: skip)")
     p.add_argument("--out", default="/tmp/rlstack-bench")
     p.add_argument("--cpu-linear", default="plain",
@@ -126,7 +139,8 @@ def main() -> None:
     rows = []
     for kind in ("colocated", "disaggregated"):
         t0 = time.perf_counter()
-        rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats, args.cpu_linear))
+        rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats, args.cpu_linear,
+                               args.dtype))
         print(f"[{kind}] measured in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\nweight sync, {args.model}, {rows[0]['bytes'] / 2**20:.0f} MiB, buckets of "
           f"{args.bucket_mb:g} MiB (best of {args.repeats}; target sync / limit <= 2)")
@@ -144,6 +158,14 @@ def main() -> None:
               f"{r['sync_s'] / (r['gather_s'] + r['reload_s']):>20.2f}")
     for r in rows:
         print(f"  {r['placement']} phases (best sync): {r['phases']}")
+    print(f"\nthe exact check after each sync ({args.dtype}; weight_sync.exact: XXH3 of each "
+          f"(tensor, trainer rank) range on both sides; medians; target exact / sync <= 0.10)")
+    print(f"{'placement':<14}{'sync s':>9}{'probe s':>9}{'exact s':>9}{'ranges':>8}"
+          f"{'exact/sync':>12}{'exact/(sync+probe)':>20}")
+    for r in rows:
+        sync, exact = r["sync_s_median"], r["exact_s"]
+        print(f"{r['placement']:<14}{sync:>9.3f}{r['probe_s']:>9.3f}{exact:>9.3f}"
+              f"{r['exact_ranges']:>8}{exact / sync:>12.2f}{exact / (sync + r['probe_s']):>20.2f}")
     if args.steps:
         steps = [bench_steps(kind, args.steps, args.out) for kind in ("colocated", "disaggregated")]
         print(f"\nquickstart step time breakdown, mean of {args.steps} steps after the first (s)")

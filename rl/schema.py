@@ -164,6 +164,12 @@ class SyncConfig:
      "either side 5x the difference measured at start-up, when both hold the base model (bf16 "
      "noise: 0.01-0.02 nats on the tiny models, 0.25-0.42 on SmolLM2-135M), at least 0.25. "
      "The value used is the metric sync/tolerance, the start-up difference sync/probe_noise.")
+    exact: bool = True
+    ("Where the engines keep the synced bytes (CPU engines that load in place: colocated shared "
+     "weights, disaggregated in-place buckets), check after each sync that they hold exactly the "
+     "trainer's: both sides hash each (tensor, trainer rank) byte range (weight_sync.exact). "
+     "sync/exact_ranges counts the ranges (0: not checked), sync/exact_seconds its time. The "
+     "probe is checked either way.")
     checksum: str = "sum64"
     "Disaggregated: per-bucket checksum verified on arrival (sum64: fast, on device; crc32)."
     timeout_s: float = field(default=600.0, metadata={"bound": "> 0"})

@@ -32,9 +32,10 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
-                     tolerance: float | None = None) -> dict:
+                     tolerance: float | None = None, exact: bool = True) -> dict:
         """Make this rank's engine the trainer's weights (collective over the trainer ranks),
-        then verify them on a probe (tolerance None: the dtypes' uncalibrated default)."""
+        then verify them: byte for byte where the engine holds the shared weights (`exact`),
+        and on a probe (tolerance None: the dtypes' uncalibrated default)."""
         import time
 
         from weight_sync.verify import check_logprobs, probe_tolerance
@@ -51,18 +52,39 @@ class ColocatedWorker(TrainerRole, RolloutRole):
             stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
         with self.spans.span("verification"):
+            checked = self.check_exact() if exact and self.shared_weights else 0
+            t_exact = time.perf_counter() - t0 - seconds
             trainer_lps = self.trainer.sequence_logprobs(probe)
             t1 = time.perf_counter()
             engine_lps = self.engine.prompt_logprobs(probe)
             t2 = time.perf_counter()
         diff = check_logprobs(trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
         self.policy_version = version
-        return {"sync/seconds": seconds, "sync/probe_trainer_seconds": t1 - seconds - t0,
+        return {"sync/seconds": seconds, "sync/exact_seconds": t_exact,
+                "sync/exact_ranges": float(checked),
+                "sync/probe_trainer_seconds": t1 - seconds - t_exact - t0,
                 "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
                 "sync/direct_load": float(self.direct_load),
                 "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
+
+    def check_exact(self) -> int:
+        """Whether the engine's parameters hold the bytes of the trainer's, range by range
+        (`weight_sync.exact`; collective over the trainer ranks): raises ExactCheckError naming
+        the tensors that differ, else returns the number of ranges checked."""
+        import torch.distributed as dist
+
+        from weight_sync.exact import compare, engine_digests, trainer_digests
+
+        shared = self.shared_weights
+        mine = trainer_digests(shared.layout, shared.spec, self.trainer.module, shared.rank,
+                               shared.world)
+        ranges = [None] * shared.world
+        dist.all_gather_object(ranges, mine)
+        ranges = [r for part in ranges for r in part]
+        got = engine_digests(shared.layout, self.engine.parameters(), ranges)
+        return compare(ranges, got, f"rank {self.rank}")
 
     def _share_engine_weights(self):
         """Move the engines' weights into one shared copy when they keep their weights as loaded

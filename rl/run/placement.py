@@ -216,8 +216,8 @@ class Colocated(Placement):
         import ray
 
         tolerance = self.sync_tolerance()
-        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance)
-                           for w in self.trainers])
+        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
+                                                 self.cfg.sync.exact) for w in self.trainers])
         # the slowest rank's times; a path flag is 1 only if every rank took that path
         flags = ("sync/direct_load", "sync/shared_weights")
         return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
@@ -319,6 +319,8 @@ class Disaggregated(Placement):
         sent = ray.get(sends)[0]
         received = ray.get(receives)  # raises the first engine's WeightSyncError
         seconds = time.perf_counter() - t0
+        exact = (self.check_exact() if sync.exact and sent["sync/in_place"]
+                 else {"sync/exact_seconds": 0.0, "sync/exact_ranges": 0.0})
         tolerance = self.sync_tolerance()
         diff = max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
                    for i, (trainer, lps) in enumerate(self.probe_pairs(probe)))
@@ -328,11 +330,26 @@ class Disaggregated(Placement):
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
                 "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
-                "sync/direct_load": min(r["sync/direct_load"] for r in received),
+                "sync/direct_load": min(r["sync/direct_load"] for r in received), **exact,
                 "sync/in_place": sent["sync/in_place"], "sync/cross_host": self.cross_host,
                 **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
                 **{k: max(r[k] for r in received) for k in received[0]
                    if k.startswith("sync/receive_")}}
+
+
+    def check_exact(self) -> dict:
+        """Every engine's parameters against the bytes the trainer ranks sent in place, range
+        by range (`weight_sync.exact`); raises ExactCheckError."""
+        import time
+
+        import ray
+
+        t0 = time.perf_counter()
+        ranges = [r for part in ray.get([t.exact_digests.remote() for t in self.trainers])
+                  for r in part]
+        checked = ray.get([e.check_exact.remote(ranges) for e in self.engines])
+        return {"sync/exact_seconds": time.perf_counter() - t0,
+                "sync/exact_ranges": float(min(checked))}
 
 
 class EnginesOnly(Placement):

@@ -84,7 +84,17 @@ class RolloutRole(Role):
         self.engine.rebind_parameters(views)
         self._place_weights_directly()  # the placer must write to the packed copy
         self.packed = (layout.digest(), flat)
+        self.layout = layout
         return layout.encode()
+
+    @traced("verification")
+    def check_exact(self, ranges: list) -> int:
+        """Whether this engine's parameters hold the trainer's bytes, range by range
+        (`weight_sync.exact`): raises ExactCheckError, else returns the ranges checked."""
+        from weight_sync.exact import compare, engine_digests
+
+        got = engine_digests(self.layout, self.engine.parameters(), ranges)
+        return compare(ranges, got, f"rollout engine {self.rank}")
 
     def check_version(self, expected: int | None) -> None:
         if expected is not None and self.policy_version != expected:

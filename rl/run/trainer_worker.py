@@ -96,6 +96,17 @@ class TrainerRole(Role):
                 "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
 
+    @traced("verification")
+    def exact_digests(self) -> list:
+        """Disaggregated, in place: this rank's `weight_sync.exact` digests of what the last
+        sync sent, for the engines to check their parameters against."""
+        from weight_sync.exact import trainer_digests
+        from weight_sync.resharding import TPSpec
+
+        spec = TPSpec.from_hf_config(self.trainer.module.config, 1)
+        return trainer_digests(self.engine_layout, spec, self.trainer.module, self.rank,
+                               self.world_size)
+
     @traced("checkpoint")
     def save_checkpoint(self, directory: str) -> None:
         """This rank's shards of the policy (and critic) engines into directory/policy|critic."""

@@ -66,6 +66,7 @@ def test_broadcast_sync_after_an_update_reaches_every_engine(pools):
     stats = placement.sync(1, probe)
     assert stats["sync/logprob_max_abs_diff"] <= 1e-3  # checked on every engine
     assert stats["sync/direct_load"] == 1.0 and stats["sync/in_place"] == 1.0  # no receive copy
+    assert stats["sync/exact_ranges"] > 0  # every engine checked byte for byte
     assert stats["sync/num_buckets"] > 1  # bounded buckets, back to back
     assert stats["sync/max_bucket_bytes"] <= max(0.05 * 2**20, 128 * 384 * 4 + 16)
     assert max(engine_diffs(ray, placement, probe)) <= 1e-3
@@ -87,3 +88,28 @@ def test_a_corrupted_bucket_is_detected_and_the_engine_refuses_to_generate(pools
         "policy_version"] == 2
     with pytest.raises(WeightSyncError, match="expected 3"):  # a missed sync is no silent stale
         ray.get(placement.engines[1].generate.remote([probe[:8]], [1], version=3))
+
+
+def _nudge(self, name: str) -> None:
+    """(On an engine) one step of the last representable value of one element: what a missed
+    write of a small update leaves."""
+    flat = self.engine.parameters()[name].view(-1)
+    flat[-1:] = torch.nextafter(flat[-1:], flat[-1:] + 1)
+
+
+def test_one_element_an_engine_holds_apart_from_the_trainer_is_named(pools):
+    """After an in-place sync the engines' bytes are checked against the trainer ranks' (the
+    probe could not see one float32 ulp); one element off on engine 1 is named, and the next
+    sync repairs it."""
+    from weight_sync.exact import ExactCheckError
+
+    ray, placement = pools
+    probe = list(range(3, 60))
+    train_once(ray, placement)
+    placement.sync(3, probe)
+    assert placement.check_exact()["sync/exact_ranges"] > 0
+    name = "model.layers.0.mlp.down_proj.weight"
+    ray.get(placement.engines[1].__ray_call__.remote(_nudge, name))
+    with pytest.raises(ExactCheckError, match="rollout engine 1: .*1 of .*down_proj"):
+        placement.check_exact()
+    assert placement.sync(4, probe)["sync/exact_ranges"] > 0

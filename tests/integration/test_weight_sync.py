@@ -76,6 +76,7 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
         assert s["sync/logprob_max_abs_diff"] <= 1e-3
         assert s["sync/direct_load"] == 1.0  # kept CPU weights: copied into, then re-packed
         assert s["sync/shared_weights"] == 1.0  # one copy for both engines, written in place
+        assert s["sync/exact_ranges"] > 0  # and checked byte for byte
     assert max(max_diffs(ray, workers, probe)) <= 1e-3
 
 
@@ -202,3 +203,45 @@ def test_the_bf16_probe_tolerance_still_catches_a_stale_head_a_stale_layer_and_a
                 pass
             ray.get(workers[0].__ray_call__.remote(_restore, "synced", ("",)))
         assert not missed, (missed, tolerance)
+
+
+def _differing(self, key: str, prefixes: tuple[str, ...]) -> int:
+    """(On a worker) elements of the parameters whose names start so that differ from the kept
+    copy."""
+    return sum(int((p != self._snapshots[key][n]).sum())
+               for n, p in self.engine.parameters().items() if n.startswith(prefixes))
+
+
+def test_the_exact_check_catches_a_stale_bf16_layer_after_one_step_at_the_recipes_lr(
+        ray_session, placements, tmp_path_factory):
+    """bf16 trainer and engines, one step at smollm2_chain_sum.yaml's lr (1e-5): rank 0's engine
+    keeps layer 1's bytes from before the step (a missed write). The probe, whose bf16 tolerance
+    must cover rounding noise, sees too small a change to be sure of it; the exact check after
+    the sync (weight_sync.exact) names the layer."""
+    from weight_sync.exact import ExactCheckError
+    from weight_sync.verify import SyncVerificationError, check_logprobs
+
+    ray = ray_session
+    with colocated(placements, tmp_path_factory, "tiny-llama-tied", 4, "rollout.dtype=bfloat16",
+                   "trainer.dtype=bfloat16", "trainer.lr=1e-5") as (workers, cfg, placement, _):
+        probe = list(range(3, 60))
+        tolerance = placement.measure_probe_noise(probe)["sync/tolerance"]
+        ray.get([w.__ray_call__.remote(_snapshot, "base") for w in workers])
+        update_once(ray, workers)
+        stats = placement.sync(1, probe)
+        assert stats["sync/exact_ranges"] > 0 and stats["sync/shared_weights"] == 1.0
+        layer = ("model.layers.1.",)
+        changed = ray.get(workers[0].__ray_call__.remote(_differing, "base", layer))
+        assert changed > 0  # the step moved some of the layer's bf16 values
+        ray.get(workers[0].__ray_call__.remote(_restore, "base", layer))
+        trainer, engine = ray.get([w.probe.remote(probe) for w in workers])[0]
+        try:
+            check_logprobs(trainer, engine, tolerance, "rank 0")
+            seen = "missed"
+        except SyncVerificationError:
+            seen = "caught"
+        diff = max(abs(a - b) for a, b in zip(trainer, engine))
+        print(f"stale layer 1 ({changed} bf16 values): the probe {seen} it "
+              f"(|Δ| {diff:.3g}, tolerance {tolerance:.3g})")
+        with pytest.raises(ExactCheckError, match="model.layers.1."):
+            ray.get([w.check_exact.remote() for w in workers])
