@@ -27,13 +27,14 @@ def _known_keys(node) -> str:
         return ""
 
 
-def _explain(e, schema, path: str | None) -> str:
-    """One line: the key, what was wrong, and what is allowed there."""
+def _explain(e, schema, path: str | None, overrides=()) -> str:
+    """One line: the key, where it was set, what was wrong, and what is allowed there."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError
 
     key = getattr(e, "full_key", None) or "?"
-    where = f" (in {path})" if path else ""
+    given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
+    where = f" (in the override {given[-1]})" if given else f" (in {path})" if path else ""
     first = str(e).splitlines()[0]
     if isinstance(e, ConfigKeyError):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
@@ -75,7 +76,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         merged = OmegaConf.merge(schema, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(_explain(e, schema, path)) from None
+        raise ConfigError(_explain(e, schema, path, overrides)) from None
     recipe = layers[0] if path is not None else None
     for key, value, bound in out_of_bounds(cfg):
         want = "a finite number" if bound == "any" else f"a value {bound}"

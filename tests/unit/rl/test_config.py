@@ -17,9 +17,11 @@ def test_defaults_and_overrides():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.nn=3", "config key 'rollout.nn' is not known.*known keys in rollout: n, "),
-    ("foo=1", "config key 'foo' is not known.*known keys: run, model"),
-    ("rollout.n=abc", "config key 'rollout.n' has a wrong value.*give a int"),
+    ("rollout.nn=3", r"config key 'rollout.nn' \(in the override rollout.nn=3\) is not known"
+                     r".*known keys in rollout: n, "),
+    ("foo=1", r"config key 'foo' \(in the override foo=1\) is not known.*known keys: run, model"),
+    ("rollout.n=abc", r"config key 'rollout.n' \(in the override rollout.n=abc\) has a wrong "
+                      r"value.*give a int"),
     ("algorithm.loss.klcoef=1", "algorithm.loss.klcoef.*Did you mean: 'kl_coef'"),
     ("rollout", "override 'rollout' is not key=value"),
     ("rollout.n=3 rollout.prompts_per_step=5", "15 samples do not split evenly"),
@@ -49,6 +51,16 @@ def test_yaml_unknown_key_names_the_file(tmp_path):
     recipe.write_text("rollout:\n  temprature: 0.5\n")
     with pytest.raises(ConfigError, match=r"rollout.temprature' \(in .*r.yaml\)"):
         load_config(str(recipe))
+
+
+def test_an_override_beside_a_recipe_is_named_as_the_override(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match=r"'trainer.output_dir' \(in the override "
+                                          r"trainer.output_dir=/tmp/x\) is not known"):
+        load_config(str(recipe), ["trainer.output_dir=/tmp/x"])
+    with pytest.raises(ConfigError, match=r"'trainer.lr' \(in the override trainer.lr=abc\)"):
+        load_config(str(recipe), ["trainer.lr=abc"])
 
 
 def test_grad_accum_steps():
