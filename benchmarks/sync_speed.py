@@ -83,12 +83,12 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
                               for t in placement.trainers]))
         reload = max(ray.get([e.call.remote(probes.measure_reload, path) for e in placement.engines]))
         best = min(times)
-        probe = [m.get("sync/probe_trainer_seconds", math.nan)
-                 + m.get("sync/probe_engine_seconds", 0)
-                 for m in runs]  # colocated only: timed inside the workers
+        probe_s = [m.get("sync/probe_trainer_seconds", math.nan)
+                   + m.get("sync/probe_engine_seconds", 0)
+                   for m in runs]  # colocated only: timed inside the workers
         return {"exact_s": statistics.median(m["sync/exact_seconds"] for m in runs),
                 "exact_ranges": int(first["sync/exact_ranges"]),
-                "probe_s": statistics.median(probe), "placement": kind, "bytes": nbytes,
+                "probe_s": statistics.median(probe_s), "placement": kind, "bytes": nbytes,
                 "buckets": int(first["sync/num_buckets"]),
                 "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
                 "limit": what, "GBps_limit": nbytes / limit / 1e9, "ratio": best / limit,

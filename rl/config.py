@@ -33,8 +33,8 @@ def _explain(e, schema, path: str | None, overrides=()) -> str:
     from omegaconf.errors import ConfigKeyError
 
     key = getattr(e, "full_key", None) or "?"
-    given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
-    where = f" (in the override {given[-1]})" if given else f" (in {path})" if path else ""
+    given = _override_of(key, overrides)
+    where = f" (in the override {given})" if given else f" (in {path})" if path else ""
     first = str(e).splitlines()[0]
     if isinstance(e, ConfigKeyError):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
@@ -127,15 +127,23 @@ def out_of_bounds(node, prefix: str = ""):
             yield key, value, f.metadata["bound"]
 
 
+def _override_of(key: str, overrides) -> str | None:
+    """The last override that sets `key`, itself or a section or list that holds it."""
+    plain = re.sub(r"\[\d+\]", "", key)  # reward.functions[0].weight: set with the list
+    for item in reversed(list(overrides)):
+        name = item.split("=", 1)[0].strip()
+        if name in (key, plain) or plain.startswith(name + "."):
+            return item
+    return None
+
+
 def _source(key: str, path: str | None, recipe, overrides) -> str:
     """Where a key's value came from: the last override that sets it, else the recipe file."""
     from omegaconf import OmegaConf
 
-    plain = re.sub(r"\[\d+\]", "", key)  # reward.functions[0].weight: set with the list
-    for item in reversed(list(overrides)):
-        name = item.split("=", 1)[0].strip()
-        if name == key or plain.startswith(name):
-            return f"from the override {item}"
+    given = _override_of(key, overrides)
+    if given:
+        return f"from the override {given}"
     if recipe is not None and OmegaConf.select(recipe, key, default=None) is not None:
         return f"from {path}"
     return "the default"

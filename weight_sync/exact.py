@@ -1,13 +1,14 @@
 """Exact post-sync check where the engine keeps the synced bytes: both sides hash them.
 
 The probe (`weight_sync.verify`) checks what the engine computes; in bfloat16 its tolerance must
-cover rounding noise (up to 0.8 nats on SmolLM2-135M), and a stale layer after a small step can
-hide under it. Where the engine's parameters hold exactly the bytes the trainer sent (engines
-that keep their weights as loaded, `weight_sync.direct`, filled in place), the check can be
-exact instead: each trainer rank hashes its ZeRO-3 part of every tensor, cast to the engine's
-dtype as the sync casts it, and each engine hashes the same byte ranges of its own parameters.
-Each range is one (tensor, trainer rank) pair, so a mismatch names the tensor; a 64-bit XXH3 digest
-per range (one pass at memory speed: 12 GiB/s on one core here, 4.7x zlib's CRC-32).
+cover rounding noise (on SmolLM2-135M 0.25-0.42 nats with a run's probe, 3.1 with
+benchmarks/sync_speed.py's), and a stale layer after a small step can hide under it. Where
+the engine's parameters hold exactly the bytes the trainer sent (engines that keep their weights
+as loaded, `weight_sync.direct`, filled in place), the check can be exact instead: each trainer
+rank hashes its ZeRO-3 part of every tensor, cast to the engine's dtype as the sync casts it,
+and each engine hashes the same byte ranges of its own parameters.
+Each range is one (tensor, trainer rank) pair, so a mismatch names the tensor; a 64-bit XXH3
+digest per range (one pass at memory speed: 12 GiB/s on one core here, 4.7x zlib's CRC-32).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from weight_sync.verify import SyncVerificationError
 
 @dataclass(frozen=True)
 class RangeDigest:
-    """XXH3-64 digest of `nbytes` bytes at `offset` of the engine's packed layout (`EngineLayout`):
-    trainer rank `rank`'s part of HF tensor `name`."""
+    """XXH3-64 digest of `nbytes` bytes at `offset` of the engine's packed layout
+    (`EngineLayout`): trainer rank `rank`'s part of HF tensor `name`."""
 
     name: str
     rank: int

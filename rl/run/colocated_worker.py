@@ -52,7 +52,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
             stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
         with self.spans.span("verification"):
-            checked = self.check_exact() if exact and self.shared_weights else 0
+            checked = self.check_shared_exact() if exact and self.shared_weights else 0
             t_exact = time.perf_counter() - t0 - seconds
             trainer_lps = self.trainer.sequence_logprobs(probe)
             t1 = time.perf_counter()
@@ -69,7 +69,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
                 "sync/direct_load": float(self.direct_load),
                 "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
 
-    def check_exact(self) -> int:
+    def check_shared_exact(self) -> int:
         """Whether the engine's parameters hold the bytes of the trainer's, range by range
         (`weight_sync.exact`; collective over the trainer ranks): raises ExactCheckError naming
         the tensors that differ, else returns the number of ranges checked."""

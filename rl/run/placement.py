@@ -336,7 +336,6 @@ class Disaggregated(Placement):
                 **{k: max(r[k] for r in received) for k in received[0]
                    if k.startswith("sync/receive_")}}
 
-
     def check_exact(self) -> dict:
         """Every engine's parameters against the bytes the trainer ranks sent in place, range
         by range (`weight_sync.exact`); raises ExactCheckError."""

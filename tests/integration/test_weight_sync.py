@@ -244,4 +244,4 @@ def test_the_exact_check_catches_a_stale_bf16_layer_after_one_step_at_the_recipe
         print(f"stale layer 1 ({changed} bf16 values): the probe {seen} it "
               f"(|Δ| {diff:.3g}, tolerance {tolerance:.3g})")
         with pytest.raises(ExactCheckError, match="model.layers.1."):
-            ray.get([w.check_exact.remote() for w in workers])
+            ray.get([w.check_shared_exact.remote() for w in workers])

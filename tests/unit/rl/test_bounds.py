@@ -2,11 +2,11 @@
 exit 2, one `rl-train:` line naming the key, the value, the bound and where the value came from,
 no traceback, and Ray never imported."""
 import dataclasses
-import re
 import sys
 import typing
 
 import pytest
+from omegaconf import OmegaConf
 
 import rl.cli
 from rl.config import ConfigError, load_config, within
@@ -50,20 +50,13 @@ def override(key, value):
     return f"{key}={text}"
 
 
-def _value_at(config, key: str):
-    """`config` at a dotted key such as `reward.functions[0].weight`."""
-    for part in re.split(r"\.|(?=\[)", key):
-        config = config[int(part[1:-1])] if part.startswith("[") else getattr(config, part)
-    return config
-
-
 def test_the_schema_has_numeric_fields_and_each_declares_a_bound_its_default_meets():
     assert len(FIELDS) > 60  # the walk reaches every section (rollout, trainer, loss, ...)
     missing = [key for key, _, bound in FIELDS if bound is None]
     assert not missing, f"numeric config fields without metadata={{'bound': ...}}: {missing}"
-    defaults = load_config(None)
+    defaults = OmegaConf.structured(load_config(None))
     for key, _, bound in FIELDS:
-        value = _value_at(defaults, key)
+        value = OmegaConf.select(defaults, key)
         assert value is None or within(value, bound), (key, value, bound)
 
 

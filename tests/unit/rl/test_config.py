@@ -61,6 +61,9 @@ def test_an_override_beside_a_recipe_is_named_as_the_override(tmp_path):
         load_config(str(recipe), ["trainer.output_dir=/tmp/x"])
     with pytest.raises(ConfigError, match=r"'trainer.lr' \(in the override trainer.lr=abc\)"):
         load_config(str(recipe), ["trainer.lr=abc"])
+    # a key that only starts like another override's is not set by it
+    with pytest.raises(ConfigError, match=r"'rollout.nn' \(in the override rollout.nn=3\)"):
+        load_config(str(recipe), ["rollout.nn=3", "rollout.n=4"])
 
 
 def test_grad_accum_steps():

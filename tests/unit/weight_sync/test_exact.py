@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.unit.weight_sync.test_in_place import SPEC, engine_params, hf_tensors
+from tests.unit.weight_sync.test_shard_gather import module_with
 from weight_sync.direct import DirectLoad
 from weight_sync.exact import ExactCheckError, compare, engine_digests, trainer_digests
 from weight_sync.in_place import EngineLayout
@@ -14,16 +15,8 @@ from weight_sync.in_place import EngineLayout
 
 def trainer_module(tensors: dict[str, torch.Tensor], tied: bool) -> torch.nn.Module:
     """A module whose named_parameters are `tensors` (HF names), whole on every rank."""
-    root = torch.nn.Module()
+    root = module_with({n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()})
     root.config = SimpleNamespace(tie_word_embeddings=tied)
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(t.clone()))
     return root
 
 
