@@ -20,6 +20,32 @@ def death_cause(error) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
 
 
+def get_all(futures: list, peers: list = (), grace_s: float = 10.0) -> list:
+    """ray.get(futures), but when a call fails and another of them, or of `peers` (the other
+    side's calls of the same collective), belongs to an actor that died, that death is raised
+    (a RayActorError, which the controller recovers from): when one rank of a collective dies,
+    the live ranks fail first ("Connection closed by peer"), and ray.get would raise their
+    error. Waits at most grace_s for the others before raising the first error as it is."""
+    import time
+
+    import ray
+
+    try:
+        return ray.get(futures)
+    except ray.exceptions.RayTaskError as first:
+        pending, deadline = [*futures, *peers], time.monotonic() + grace_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for future in ready:
+                try:
+                    ray.get(future)
+                except ray.exceptions.RayActorError as dead:
+                    raise dead from first
+                except ray.exceptions.RayError:
+                    pass
+        raise
+
+
 def last_line(error) -> str:
     """An exception's last line (Ray's errors end with the original one), or its type's name."""
     text = str(error).strip()

@@ -10,6 +10,7 @@ import torch
 from rl.algo.advantages import AdvantageInputs, compute_advantages
 from rl.algo.batch import (Sample, chunk, collate, padded, plan_update, reduce_rank_metrics,
                            response_mask, response_slice, split_ranks)
+from rl.errors import get_all
 from rl.observe.timeline import Spans, traced
 from rl.run.collect import collect, overlong_penalty
 from rl.run.lifecycle import RunLifecycle
@@ -102,11 +103,9 @@ class Controller(RunLifecycle):
     def prepare(self, samples: list[Sample]) -> dict:
         """Old/reference logprobs and values from the trainers, once per batch; mismatch and KL
         metrics; the KL reward penalty when the KL is not a loss term."""
-        import ray
-
         parts = split_ranks(samples, len(self.trainers), self.grad_accum)
         pad = self.tokenizer.pad_token_id
-        results = ray.get([w.prepare.remote([collate(m, pad, self.share_prompts) for m in micros])
+        results = get_all([w.prepare.remote([collate(m, pad, self.share_prompts) for m in micros])
                            for w, micros in zip(self.trainers, parts)])
         for micros, outs in zip(parts, results):
             for micro, out in zip(micros, outs):
@@ -144,8 +143,6 @@ class Controller(RunLifecycle):
     @traced("update")
     def update(self, samples: list[Sample], step: int) -> dict:
         """ppo_epochs passes, each num_mini_batches optimizer steps (policy, and critic)."""
-        import ray
-
         algo = self.cfg.algorithm
         totals: dict[str, float] = {}
         num_steps = algo.ppo_epochs * algo.num_mini_batches
@@ -154,7 +151,7 @@ class Controller(RunLifecycle):
                                self.grad_accum, self.tokenizer.pad_token_id,
                                (self.cfg.run.seed + step) * 1000 + epoch, self.share_prompts)
             for ranks, counts in zip(plan.mini_batches, plan.counts):
-                merged = reduce_rank_metrics(ray.get([w.train.remote(mb, counts)
+                merged = reduce_rank_metrics(get_all([w.train.remote(mb, counts)
                                                       for w, mb in zip(self.trainers, ranks)]))
                 for k, v in merged.items():
                     totals[k] = (max(totals.get(k, v), v) if k in MAX_METRICS

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from rl.errors import get_all
 from rl.schema import Config
 
 
@@ -208,15 +209,13 @@ class Colocated(Placement):
         _join_trainers(self.trainers)
 
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
-        import ray
 
-        return ray.get([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
+        return get_all([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
 
     def sync(self, version: int, probe: list[int]) -> dict:
-        import ray
 
         tolerance = self.sync_tolerance()
-        results = ray.get([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
+        results = get_all([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
                                                  self.cfg.sync.exact) for w in self.trainers])
         # the slowest rank's times; a path flag is 1 only if every rank took that path
         flags = ("sync/direct_load", "sync/shared_weights")
@@ -294,7 +293,7 @@ class Disaggregated(Placement):
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
         import ray
 
-        trainer = ray.get([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
+        trainer = get_all([t.trainer_logprobs.remote(probe) for t in self.trainers])[0]
         return [(trainer, lps) for lps in ray.get([e.score_tokens.remote(probe)
                                                     for e in self.engines])]
 
@@ -314,10 +313,11 @@ class Disaggregated(Placement):
         sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum, corrupt_bucket)
                  for t in self.trainers]
         receives = [e.receive_weights.remote(version) for e in self.engines]
-        # a failed sender fails the sync now (its receivers then time out, and the run stops);
-        # a receiver that finds a bad bucket still drains every bucket, so senders finish
-        sent = ray.get(sends)[0]
-        received = ray.get(receives)  # raises the first engine's WeightSyncError
+        # a failed sender fails the sync now (its receivers then time out, and the run stops;
+        # a dead engine, which fails its sender, is raised as the death it is); a receiver that
+        # finds a bad bucket still drains every bucket, so senders finish
+        sent = get_all(sends, peers=receives)[0]
+        received = get_all(receives)  # raises the first engine's WeightSyncError
         seconds = time.perf_counter() - t0
         exact = (self.check_exact() if sync.exact and sent["sync/in_place"]
                  else {"sync/exact_seconds": 0.0, "sync/exact_ranges": 0.0})
