@@ -56,6 +56,8 @@ class RunLog:
             step, line = resume
             self.history = keep_lines(self.metrics_path, step)
             keep_lines(self.rollouts_path, step)
+            for logger in self.loggers:  # what a killed process's sinks never wrote
+                logger.catch_up(self.history)
             if self.progress.bar is not None:
                 self.progress.bar.update(len(self.step_lines()))
             if not self.history or self.history[-1]["step"] < step:

@@ -71,46 +71,10 @@ def test_run_leaves_config_checkpoint_plot_and_loadable_model(finished_run):
     assert model.config.vocab_size >= len(tok)
 
 
-def read_wandb_history(run_dir: Path) -> list[dict]:
-    """History rows of the offline W&B run: its .wandb file is a LevelDB-style log of
-    protobuf records (32 KiB blocks of checksum, length, type, payload)."""
-    rows = []
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):  # resumes add files
-        rows += _wandb_file_history(path)
-    return rows
-
-
-def _wandb_file_history(path: Path) -> list[dict]:
-    import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, block, records, part = path.read_bytes(), 7, 32768, [], b""
-    assert data[:4] == b":W&B", data[:7]
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
-        part += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            records.append(part)
-            part = b""
-    rows = []
-    for raw in records:
-        record = pb.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
-
-
 def test_tensorboard_and_wandb_hold_every_step(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rl.observe.loggers import wandb_offline_history
 
     run_dir, _ = finished_run
     lines = read_metrics(run_dir)[1:]
@@ -128,7 +92,7 @@ def test_tensorboard_and_wandb_hold_every_step(finished_run):
     hparams = start.session_start_info.hparams
     assert hparams["algorithm.loss.kl_coef"].number_value == pytest.approx(0.01)
     assert hparams["run.name"].string_value == "it"
-    wandb_rows = [r for r in read_wandb_history(run_dir) if "reward/mean" in r]
+    wandb_rows = [r for r in wandb_offline_history(run_dir) if "reward/mean" in r]
     assert [(r["_step"], r["reward/mean"]) for r in wandb_rows] == want
 
 
