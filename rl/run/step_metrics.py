@@ -38,9 +38,10 @@ def time_metrics(step: int, batch, t0: float, t1: float, t2: float, t3: float,
 
 
 def rollout_records(samples: list[Sample], texts: list[str], log_samples: int) -> list[dict]:
-    """rollouts.jsonl lines: the first log_samples samples (-1: all); texts: the prompts."""
+    """rollouts.jsonl lines: the first log_samples samples (-1: all); texts: the prompts, row:
+    the prompt's index in the training rows."""
     keep = samples if log_samples < 0 else samples[:log_samples]
-    return [{"prompt": texts[s.row], "completion": s.text, "reward": s.reward,
+    return [{"row": s.row, "prompt": texts[s.row], "completion": s.text, "reward": s.reward,
              "advantage": s.advantages[0] if s.advantages else 0.0,
              "finish_reason": s.finish_reason, "policy_version": s.policy_version}
             for s in keep]
