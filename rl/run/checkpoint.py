@@ -259,16 +259,17 @@ def save(controller, step: int, metrics: dict) -> dict:
             "checkpoint/bytes": float(directory_bytes(final))}
 
 
-def restore(controller, point: ResumePoint) -> None:
+def restore(controller, point: ResumePoint, engines: list | None = None) -> None:
     """Load a checkpoint into a set-up controller whose trainers are initialized: trainer
-    engines, engines at the saved policy version (a checked sync), data order, every RNG."""
+    engines, engines at the saved policy version (a checked sync), data order, every RNG.
+    engines: the rollout engines' builds, when the placement's start_rollout began them."""
     import ray
     import torch
 
     supersede_newer(point)
     directory = str(point.checkpoint)
     version = int(point.state["policy_version"])
-    controller.placement.init_rollout(controller.model_path, version)
+    controller.placement.init_rollout(controller.model_path, version, engines)
     # both sides hold the base model until the checkpoint loads: the probe's noise floor
     controller.placement.measure_probe_noise(controller.probe)
     ray.get([w.load_checkpoint.remote(directory) for w in controller.trainers])

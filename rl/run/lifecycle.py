@@ -105,18 +105,23 @@ class RunLifecycle:
         # the base model's content hash goes into checkpoints: a resume refuses a changed one
         self.model_sha256 = (resume.state["model_sha256"] if resume else
                              ckpt.model_digest(model_path) if cfg.trainer.checkpoint_every else None)
+        # a resumed run's engines hold the base model until the checkpoint's policy is synced
+        version = resume.state["policy_version"] if resume else self.policy_version
         with span("init trainer"):
-            ray.get([w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
+            inits = [w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,
                                            float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
-                     for w in self.trainers])
+                     for w in self.trainers]
+            # engines apart from the trainers build meanwhile (colocated: after, same actors)
+            engines = self.placement.start_rollout(model_path, int(version))
+            ray.get(inits)
         start = resume.step + 1 if resume else 1
         if resume:
             with span("load checkpoint"):
-                ckpt.restore(self, resume)  # trainers, engines (synced), data, RNG
+                ckpt.restore(self, resume, engines)  # trainers, engines (synced), data, RNG
         else:
             with span("init engines"):
-                self.placement.init_rollout(model_path, self.policy_version)
+                self.placement.init_rollout(model_path, self.policy_version, engines)
             self.placement.measure_probe_noise(self.probe)
         # a new run scores its base model on the held-out set before step 1
         first_eval = self.evaluate(0) if self.evaluator is not None and not resume else None

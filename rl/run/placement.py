@@ -133,11 +133,18 @@ class Placement:
     def bucket_bytes(self) -> int:
         return int(self.cfg.sync.bucket_mb * 2**20)
 
-    def init_rollout(self, model_path: str, version: int) -> None:
+    def start_rollout(self, model_path: str, version: int) -> list:
+        """Start building the engines (holding `version`, the weights at model_path); returns
+        the calls to hand to init_rollout. Engines that are actors of their own build while the
+        trainers initialize."""
+        return [e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
+                for e in self.engines]
+
+    def init_rollout(self, model_path: str, version: int, started: list | None = None) -> None:
+        """The engines, built (from the calls start_rollout began, or now)."""
         import ray
 
-        modes = ray.get([e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
-                                               version) for e in self.engines])
+        modes = ray.get(started or self.start_rollout(model_path, version))
         if self.engine_mode != modes[0]:  # said once per placement (checkpoint restores rebuild)
             self.engine_mode = modes[0]
             print(f"rollout engines: {len(modes)} x vLLM, model {modes[0]} (rollout.enforce_eager="
@@ -264,12 +271,12 @@ class Disaggregated(Placement):
                 + [e.join_sync_group.remote(addr, port, 1 + i, size, timeout)
                    for i, e in enumerate(self.engines)])
 
-    def init_rollout(self, model_path: str, version: int) -> None:
-        """Start the engines; when they can take buckets in place (all with the same packed
-        layout), tell the trainers, which then cut buckets from it."""
+    def init_rollout(self, model_path: str, version: int, started: list | None = None) -> None:
+        """The engines; when they can take buckets in place (all with the same packed layout),
+        tell the trainers, which then cut buckets from it."""
         import ray
 
-        super().init_rollout(model_path, version)
+        super().init_rollout(model_path, version, started)
         layouts = ray.get([e.pack_weights.remote() for e in self.engines])
         same = layouts[0] if all(x is not None and x == layouts[0] for x in layouts) else None
         ray.get([t.set_engine_layout.remote(same) for t in self.trainers])
