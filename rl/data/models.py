@@ -58,6 +58,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("RL_CACHE_DIR", Path.home() / ".cache" / "rlstack"))
 
 
+def publish(tmp: Path, out: Path, marker: str) -> None:
+    """Move a directory built under a name of this process's own to `out`, atomically (a
+    half-built directory is never seen); if another run sharing the cache published `out`
+    meanwhile (`marker` in it), the same thing, keep that one."""
+    if (out / marker).exists():
+        shutil.rmtree(tmp)
+        return
+    shutil.rmtree(out, ignore_errors=True)  # a stale, incomplete one
+    tmp.rename(out)
+
+
 def resolve_model_path(path: str, seed: int = 0) -> str:
     """A local HF directory as is; `builtin:<preset>` built (once) and cached."""
     if path.startswith("builtin:"):
@@ -120,9 +131,7 @@ def build_gguf_model(name: str) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish(tmp, out, "model.safetensors")
     return out
 
 
@@ -182,7 +191,5 @@ def build_tiny_model(preset: str, seed: int = 0, out_dir: str | Path | None = No
                                                pad_token_id=tok.pad_token_id)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)  # atomic: a half-built directory is never seen as a model
+    publish(tmp, out, "model.safetensors")
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,8 @@ def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
                              .encode()).hexdigest()[:12]
         path = cache_root() / "data" / f"reasoning_gym-{name}-{key}.jsonl"
         if not path.exists():
-            rows = tasks.reasoning_gym_rows(name, cfg.num_rows, seed, cfg.task_config,
-                                            cfg.answer_instruction)
-            tasks.write_rows(rows, path.with_suffix(".tmp.jsonl")).rename(path)
+            cache_rows(tasks.reasoning_gym_rows(name, cfg.num_rows, seed, cfg.task_config,
+                                                cfg.answer_instruction), path)
         return tasks.read_rows(path)
     if cfg.train_path.startswith("builtin:"):
         from rl.data.models import cache_root
@@ -46,11 +46,15 @@ def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
                              .encode()).hexdigest()[:12]
         path = cache_root() / "data" / f"{name}-{key}.jsonl"
         if not path.exists():
-            tmp = tasks.write_rows(make(cfg.num_rows, cfg.max_operand, seed),
-                                   path.with_suffix(".tmp.jsonl"))
-            tmp.rename(path)
+            cache_rows(make(cfg.num_rows, cfg.max_operand, seed), path)
         return tasks.read_rows(path)
     return tasks.read_rows(Path(cfg.train_path))
+
+
+def cache_rows(rows: list[dict], path: Path) -> None:
+    """Publish generated rows at `path` whole: written under a name of this process's own, then
+    renamed (two runs that share the cache may write the same rows at once)."""
+    os.replace(tasks.write_rows(rows, path.with_suffix(f".tmp{os.getpid()}.jsonl")), path)
 
 
 @dataclass

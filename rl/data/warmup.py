@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from dataclasses import asdict, replace
@@ -41,6 +42,8 @@ def sft_target(answer: str, noise: float, rng: random.Random,
 def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
     """SFT on the workers' trainers; saves and returns the base model directory (cached)."""
     import ray
+
+    from rl.data.models import publish
 
     out = warmup_dir(model_path, cfg)
     if (out / "config.json").exists():
@@ -78,12 +81,12 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
         progress.update(step, f"warm-up step {step}/{w.sft_steps} | loss {loss:.4f}",
                         {"loss": f"{loss:.4f}"})
     progress.close()
-    tmp = out.with_name(out.name + ".tmp")
+    # a name of this run's own: two runs that share the cache may warm up the same model at once
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     wait_with_progress([wk.save_hf.remote(str(tmp)) for wk in workers],
                        "warm-up: saving the base model")
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, "config.json")
     print(f"warm-up: saved the base model to {out}", flush=True)
     return str(out)

@@ -110,3 +110,22 @@ def test_warmup_sees_no_held_out_prompt(tok, tmp_path, monkeypatch):
     seen = {warm.rows[i]["prompt"] for i in warm.next_batch(5000)}
     assert seen == {r["prompt"] for r in split.train}
     assert not seen & {r["prompt"] for r in split.held_out}
+
+
+def _rows_in_a_fresh_process(cache: str) -> int:
+    import os
+
+    os.environ["RL_CACHE_DIR"] = cache
+    return len(resolve_rows(DataConfig(train_path="builtin:arithmetic", num_rows=20000), 0))
+
+
+def test_runs_sharing_a_cache_generate_the_same_data_at_once(tmp_path):
+    """Two runs on one machine (or a test's concurrent runs) may both find the data set missing:
+    each writes under a name of its own and publishes it whole, so neither fails."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        counts = pool.map(_rows_in_a_fresh_process, [str(tmp_path)] * 8)
+    assert counts == [20000] * 8
+    names = [p.name for p in (tmp_path / "data").iterdir()]  # one data set, nothing left over
+    assert len(names) == 1 and names[0].startswith("arithmetic-") and ".tmp" not in names[0]
