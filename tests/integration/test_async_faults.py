@@ -20,8 +20,9 @@ from tests.integration.test_resume import descendants, held, kill_driver, lines,
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 PROMPTS, N, STEPS = 4, 4, 8
+# the warm-up as test_algorithms' quickstart_one_step has it: cached in the session by then
 COMMON = ["warmup.sft_steps=30", "warmup.batch_size=32", f"rollout.prompts_per_step={PROMPTS}",
-          f"rollout.n={N}", "trainer.micro_batch_size=16", f"trainer.total_steps={STEPS}",
+          f"rollout.n={N}", "trainer.micro_batch_size=8", f"trainer.total_steps={STEPS}",
           "trainer.checkpoint_every=2", "trainer.max_restarts=1", "data.eval_fraction=0",
           "run.log_samples=-1", "run.loggers=[jsonl,wandb]", "reward.timeout_s=300",
           "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
