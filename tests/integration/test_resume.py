@@ -106,21 +106,6 @@ def kill_driver(proc) -> None:
     proc.wait()
 
 
-def warm_up(placements, tmp: Path) -> None:
-    """The runs' shared warm-up, into the session's cache: the hurt run's CLI then starts beside
-    the uninterrupted run without making it a second time."""
-    from rl.config import load_config
-    from rl.run.controller import Controller
-
-    c = Controller(load_config(str(ROOT / ARGS[0]), ARGS[1:] + [
-        f"run.output_dir={tmp}", "run.name=warm-up", "run.loggers=[jsonl]"]),
-        placements=placements)
-    try:
-        c.setup()
-    finally:
-        c.shutdown()
-
-
 def whole_run(placements, tmp: Path) -> list[dict]:
     """The uninterrupted run, in this process on the session's kept actors: the CLI runs below,
     each in processes of its own, must equal it bit for bit (metrics.jsonl only: loggers do not
@@ -140,7 +125,6 @@ def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact(place
     step 5 past its checkpoint step_4; `--resume` drops that line, writes it again and finishes.
     Steps 1-6 equal the uninterrupted run's bit for bit (the critic's loss and values too), and
     metrics.jsonl, rollouts.jsonl, TensorBoard and W&B hold each step once."""
-    warm_up(placements, tmp_path)
     with held(tmp_path, "r", [("step_2", 2), ("step_4", 5)], "trainer.max_restarts=1") as (
             proc, (actor_hold, driver_hold)):
         # the reference run meanwhile: the CLI's start-up leaves cores idle
