@@ -130,7 +130,7 @@ def _wandb_records(data: bytes) -> list[bytes]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0 or pos + 7 + length > len(data):  # the end, or torn
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):  # the end, or torn
             break
         part += data[pos + 7:pos + 7 + length]
         pos += 7 + length

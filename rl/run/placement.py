@@ -216,11 +216,9 @@ class Colocated(Placement):
         _join_trainers(self.trainers)
 
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
-
         return get_all([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
 
     def sync(self, version: int, probe: list[int]) -> dict:
-
         tolerance = self.sync_tolerance()
         results = get_all([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
                                                  self.cfg.sync.exact) for w in self.trainers])
