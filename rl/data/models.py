@@ -62,6 +62,12 @@ def publish(tmp: Path, out: Path, marker: str) -> None:
     """Move a directory built under a name of this process's own to `out`, atomically (a
     half-built directory is never seen); if another run sharing the cache published `out`
     meanwhile (`marker` in it), the same thing, keep that one."""
+    if not (tmp / marker).exists():  # never publish what another process would take as whole
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(
+            f"building {out.name} wrote no {marker}: transformers writes model files on "
+            f"torch.distributed rank 0 only; build or resolve models before joining a process "
+            f"group (or on rank 0)")
     try:
         tmp.rename(out)  # fails where `out` exists (not empty): never removes a published one
         return
