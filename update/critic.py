@@ -9,7 +9,7 @@ import torch
 from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
-from update.trainer import ds_config, load_engine, save_engine
+from update.trainer import EngineModule, ds_config, is_whole, load_engine, save_engine, scoring
 
 
 class ValueModel(torch.nn.Module):
@@ -29,6 +29,13 @@ class ValueModel(torch.nn.Module):
                                position_ids=position_ids, use_cache=False).last_hidden_state
         return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.device
+
 
 class ValueTrainer:
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig, grad_accum: int):
@@ -41,7 +48,8 @@ class ValueTrainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.critic_lr,
                                       betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
+            model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
+            config=ds_config(cfg, self.world_size, grad_accum))
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         save_engine(self.engine, directory, tag)
@@ -49,20 +57,22 @@ class ValueTrainer:
     def load_checkpoint(self, directory: str, tag: str) -> None:
         load_engine(self.engine, directory, tag)
 
-    def _values(self, mb: dict) -> torch.Tensor:
+    def _values(self, mb: dict, model=None) -> torch.Tensor:
         """V at position t estimates the return of the tokens after t: [B, R], like logprobs
-        (position P - 1, the prompt's last, values the first response token)."""
+        (position P - 1, the prompt's last, values the first response token). `model`: the
+        engine, or what `scoring` gives)."""
         dev = self.engine.device
         mb = full_layout(mb)  # the value head reads every position: no shared prompts
-        values = self.engine(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),
-                             mb["position_ids"].to(dev))
+        values = (model or self.engine)(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),
+                                        mb["position_ids"].to(dev))
         r = mb["response_mask"].shape[1]
         return values[:, -r - 1:-1]
 
     @torch.no_grad()
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
         self.engine.eval()
-        return [{"values": self._values(mb).cpu()} for mb in micro_batches]
+        with scoring(self.engine) as critic:  # outside the record of ZeRO-3's training steps
+            return [{"values": self._values(mb, critic).cpu()} for mb in micro_batches]
 
     def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
         if len(micro_batches) != self.grad_accum:

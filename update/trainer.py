@@ -8,6 +8,8 @@ leaves exactly the global mean: the update does not depend on how the batch was 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             "stage": cfg.zero_stage if train or cfg.zero_stage == 3 else 0,
             # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
             "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
+            "stage3_max_live_parameters": cfg.zero3_max_live_parameters,
             # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide
             # and computes x @ W.t() with matmul: for the strided hidden states that
             # logits_to_keep slices it falls back to a batched matmul that copies the weight once
@@ -83,6 +86,171 @@ def load_engine(engine, directory: str, tag: str) -> None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint {directory}/{tag}")
 
 
+class Body(torch.nn.Module):
+    """The model, run with an `anchor` in front (see EngineModule): a zero scalar that requires
+    grad, made 1 and multiplied into the input embeddings (exactly: x * 1.0 == x). It is the first
+    thing in the graph, so that its gradient is the last one computed, after every weight's."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, anchor: torch.Tensor, *args, mb: dict | None = None, **kwargs):
+        one = anchor * 0 + 1
+        embed = self.model.get_input_embeddings()
+        handle = embed.register_forward_hook(lambda _m, _i, out: out * one)
+        try:
+            return self.model(*args, **kwargs) if mb is None else response_logits(self.model, mb)
+        finally:
+            handle.remove()
+
+
+class EngineModule(torch.nn.Module):
+    """What each DeepSpeed engine wraps: the model (`.model`), called once per micro-batch.
+
+    `engine(mb=mb)` scores a micro-batch's responses ([B, R, V] logits; the shared-prompt layout
+    runs the model twice, prompts then responses on their cache); other arguments go to the
+    model's own forward. Inside one call of this module the two runs are one forward to ZeRO-3,
+    which starts its step at each forward of the module it wraps: calling the model twice
+    directly began a new step mid-forward, so ZeRO-3's record of module order never held from
+    one step to the next and it fetched every parameter on demand (the quickstart's update 2.5x
+    ZeRO-2's).
+
+    `whole` (ZeRO-3, a model within `trainer.zero3_max_live_parameters`): the model is one ZeRO-3
+    leaf module (`deepspeed.utils.set_z3_leaf_module`), gathered whole in one collective for the
+    forward and again for the backward, its gradients reduced once the backward has left it,
+    instead of a gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer
+    model; the quickstart's update 0.13 -> 0.10 s, ZeRO-2 0.09). DeepSpeed reduces a leaf's
+    gradients when the gradients of its inputs are computed; token ids have none, so the
+    `Body`'s anchor is that input."""
+
+    def __init__(self, model: torch.nn.Module, whole: bool = False):
+        super().__init__()
+        self.body = Body(model)
+        if whole:
+            from deepspeed.utils import set_z3_leaf_module
+
+            set_z3_leaf_module(self.body, True)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.body.model
+
+    def forward(self, *args, **kwargs):
+        anchor = torch.zeros((), device=self.model.device, requires_grad=torch.is_grad_enabled())
+        return self.body(anchor, *args, **kwargs)
+
+
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def gather_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
+    """(module, the parameters to gather before it runs): each decoder layer whole (the HF
+    models' `_no_split_modules`), and every other module with weights of its own (embeddings,
+    final norm, head, a value head)."""
+    blocks = {name for m in module.modules()
+              for name in getattr(m, "_no_split_modules", None) or []}
+
+    def walk(m: torch.nn.Module) -> list:
+        if type(m).__name__ in blocks:
+            return [(m, list(m.parameters()))]
+        own = list(m.parameters(recurse=False))
+        return ([(m, own)] if own else []) + [u for c in m.children() for u in walk(c)]
+
+    return walk(module)
+
+
+@contextmanager
+def scoring(engine):
+    """The callable to run forwards that are not a training step's with (the post-sync probe,
+    the old-logprob pass): the engine itself under ZeRO 0-2; under ZeRO-3, `engine.module`
+    outside ZeRO-3's hooks. ZeRO-3 records the order in which a step uses the modules and from
+    then on prefetches along that record; a forward of another shape through its hooks replaced
+    the record or broke it (a probe is shorter than the step it is checked against), and each
+    training step then fetched on demand (the quickstart's update 0.17 s instead of 0.13).
+
+    Outside the hooks, a model gathered `whole` (EngineModule) runs on a full copy of its
+    weights gathered in one collective (`gathered_weights`, `torch.func.functional_call`); a
+    larger one gathers each decoder layer just before it runs and releases it after
+    (`deepspeed.zero.GatheredParameters`)."""
+    module = engine.module
+    if engine.zero_optimization_stage() != 3:
+        yield engine
+        return
+    import deepspeed
+    from deepspeed.runtime.torch_autocast import autocast_if_enabled
+
+    saved = {m: [getattr(m, name) for name in HOOK_DICTS] for m in module.modules()}
+    whole = z3_whole(module)
+    units = {} if whole else dict(gather_units(module))
+    handles, gathered = [], {}
+
+    def gather(m, *_):
+        gathered[m] = deepspeed.zero.GatheredParameters(units[m], modifier_rank=None)
+        gathered[m].__enter__()
+
+    def release(m, *_):
+        gathered.pop(m).__exit__(None, None, None)
+
+    def on_full_weights(*args, **kwargs):
+        weights = gathered_weights(dict(module.named_parameters()))
+        return torch.func.functional_call(module, weights, args, kwargs)
+
+    try:
+        for m in saved:
+            for name in HOOK_DICTS:
+                setattr(m, name, OrderedDict())
+        for m in units:
+            handles += [m.register_forward_pre_hook(gather), m.register_forward_hook(release)]
+        with autocast_if_enabled(engine):  # what the engine's own forward runs under
+            yield on_full_weights if whole else module
+    finally:
+        for h in handles:
+            h.remove()
+        for ctx in gathered.values():  # a forward that raised
+            ctx.__exit__(None, None, None)
+        for m, dicts in saved.items():
+            for name, d in zip(HOOK_DICTS, dicts):
+                setattr(m, name, d)
+
+
+def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Full copies of ZeRO-3 parameters, on every rank, from one all-gather per dtype (where
+    `GatheredParameters` runs one per parameter). DeepSpeed keeps rank r's part of a parameter
+    as elements [r * s, (r + 1) * s) of the flattened parameter, padded at the end."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    out = {}
+    for dtype in {p.ds_tensor.dtype for p in params.values()}:
+        group = [(name, p) for name, p in params.items() if p.ds_tensor.dtype == dtype]
+        local = torch.cat([p.ds_tensor.view(-1) for _, p in group])
+        n = local.numel()
+        flat = torch.empty(world * n, dtype=dtype, device=local.device)
+        dist.all_gather_into_tensor(flat, local)
+        shards = flat.view(world, n)
+        offset = 0
+        for name, p in group:
+            size = p.ds_tensor.numel()
+            full = shards[:, offset:offset + size].reshape(-1)[:p.ds_numel]
+            out[name] = full.view(p.ds_shape)
+            offset += size
+    return out
+
+
+def is_whole(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
+    """Whether ZeRO-3 gathers `model` whole (EngineModule): within the bound on the parameters
+    it may hold gathered at once (`stage3_max_live_parameters`, which its prefetch fills too)."""
+    return (cfg.zero_stage == 3
+            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_max_live_parameters)
+
+
+def z3_whole(module: torch.nn.Module) -> bool:
+    from deepspeed.utils import z3_leaf_module
+
+    return isinstance(module, EngineModule) and z3_leaf_module(module.body)
+
+
 def _to(mb: dict, key: str, dev):
     return mb[key].to(dev) if mb.get(key) is not None else None
 
@@ -107,13 +275,15 @@ class PolicyTrainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                       weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size, grad_accum))
+            model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
+            config=ds_config(cfg, self.world_size, grad_accum))
         self.ref = None
         if loss_cfg.kl_coef > 0:
             ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref_model.requires_grad_(False)
             self.ref, *_ = deepspeed.initialize(
-                model=ref_model, config=ds_config(cfg, self.world_size, grad_accum, train=False))
+                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg)),
+                config=ds_config(cfg, self.world_size, grad_accum, train=False))
             self.ref.eval()
         self.share_prompts = self._can_share_prompts()
 
@@ -139,16 +309,18 @@ class PolicyTrainer:
 
     @property
     def module(self) -> torch.nn.Module:
-        return self.engine.module
+        """The HF model (its parameters ZeRO-sharded under stage 3)."""
+        return self.engine.module.model
 
     def _forward(self, engine, mb: dict, entropy: bool = False):
-        """(token logprobs [B, R], entropy [B, R] or None) of the responses under `engine`."""
+        """(token logprobs [B, R], entropy [B, R] or None) of the responses under `engine` (a
+        DeepSpeed engine, or what `scoring` gives)."""
         from update.losses import entropy_from_logits
 
         if is_shared(mb) and not self.share_prompts:
             mb = full_layout(mb)
-        logits = response_logits(engine, mb)  # [B, R, V]
-        logprobs = token_logprobs(logits, response_targets(mb).to(engine.device),
+        logits = engine(mb=mb)  # [B, R, V]
+        logprobs = token_logprobs(logits, response_targets(mb).to(logits.device),
                                   self.temperature)
         ent = entropy_from_logits(logits / self.temperature) if entropy else None
         return logprobs, ent
@@ -167,7 +339,8 @@ class PolicyTrainer:
         self.engine.eval()
         out = []
         for mb in micro_batches:
-            item = {"old_logprobs": self._forward(self.engine, mb)[0].cpu()}
+            with scoring(self.engine) as policy:  # the reference only ever runs this forward
+                item = {"old_logprobs": self._forward(policy, mb)[0].cpu()}
             if self.ref is not None:
                 item["ref_logprobs"] = self._forward(self.ref, mb)[0].cpu()
             out.append(item)
@@ -231,8 +404,9 @@ class PolicyTrainer:
         """Logprob of each token after the first (a collective under ZeRO-3: every rank calls)."""
         self.engine.eval()
         ids = torch.tensor([token_ids]).to(self.engine.device)
-        logits = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             use_cache=False).logits
+        with scoring(self.engine) as policy:
+            logits = policy(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            use_cache=False).logits
         # raw (temperature 1), like vLLM's prompt logprobs
         return token_logprobs(logits[:, :-1], ids[:, 1:], 1.0)[0].tolist()
 
@@ -257,9 +431,14 @@ class PolicyTrainer:
 
 
 def full_state_dict(engine, cfg: TrainerConfig) -> dict | None:
-    """Unsharded weights of a DeepSpeed engine on rank 0 (None elsewhere); a collective."""
+    """Unsharded weights of a DeepSpeed engine on rank 0 (None elsewhere), named as the HF
+    model names them (without the EngineModule's `body.model.`); a collective."""
     import torch.distributed as dist
 
     if cfg.zero_stage == 3:
-        return engine._zero3_consolidated_16bit_state_dict()
-    return engine.module.state_dict() if dist.get_rank() == 0 else None
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict() if dist.get_rank() == 0 else None
+    if state is None or not isinstance(engine.module, EngineModule):
+        return state
+    return {k.removeprefix("body.model."): v for k, v in state.items()}
