@@ -60,7 +60,7 @@ class ValueTrainer:
     def _values(self, mb: dict, model=None) -> torch.Tensor:
         """V at position t estimates the return of the tokens after t: [B, R], like logprobs
         (position P - 1, the prompt's last, values the first response token). `model`: the
-        engine, or what `scoring` gives)."""
+        engine (default), or what `scoring` gives."""
         dev = self.engine.device
         mb = full_layout(mb)  # the value head reads every position: no shared prompts
         values = (model or self.engine)(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),

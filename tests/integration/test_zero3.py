@@ -11,7 +11,13 @@ from tests.spawn import spawn_world
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
-           "zero3_by_module": dict(zero_stage=3, zero3_max_live_parameters=1)}
+           "zero3_by_module": dict(zero_stage=3, zero3_max_live_parameters=1),
+           # activations recomputed in the backward, inside the leaf (full layout: HF turns the
+           # cache off under checkpointing)
+           "zero2_checkpointing": dict(zero_stage=2, gradient_checkpointing=True),
+           "zero3_checkpointing": dict(zero_stage=3, gradient_checkpointing=True)}
+PAIRS = [("zero2", "zero3"), ("zero2", "zero3_by_module"),
+         ("zero2_checkpointing", "zero3_checkpointing")]
 PROBE = list(range(3, 40))
 
 
@@ -87,10 +93,9 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
     # before the ranks join their group: transformers writes model files on rank 0 only
     out = spawn_world(_run, 2, str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m")))
     for rank, results in out.items():
-        z2 = results["zero2"]
-        assert [results[c]["whole"] for c in CONFIGS] == [False, True, False]
-        for name in ("zero3", "zero3_by_module"):
-            z3 = results[name]
+        assert [results[c]["whole"] for c in CONFIGS] == [False, True, False, False, True]
+        for base, name in PAIRS:
+            z2, z3 = results[base], results[name]
             for m2, m3 in zip(z2["metrics"], z3["metrics"], strict=True):
                 assert m2.keys() == m3.keys() and _max_diff(m2, m3) <= 1e-6, (name, m2, m3)
             for p2, p3 in zip(z2["probes"], z3["probes"], strict=True):

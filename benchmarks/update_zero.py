@@ -1,0 +1,129 @@
+"""The update step alone on 2 ranks (CPU, gloo), per ZeRO stage: step time and each rank's peak
+resident memory during the steps.
+
+    .venv/bin/python benchmarks/update_zero.py --model bench-100m   # ~100M parameters (memory)
+    .venv/bin/python benchmarks/update_zero.py --model tiny-qwen2   # the quickstart's model
+
+`update.PolicyTrainer` as rl-train runs GRPO with a KL loss: one pass (old logprobs from the
+training forward), the reference's forward inside the step, the shared-prompt layout, and the
+post-sync probe (`sequence_logprobs`) after each step. The batch has the quickstart's shape:
+per rank 16 prompts of ~20 tokens x 8 responses of 2-8 tokens, in one micro-batch. Each stage
+runs in fresh processes (torch's threads: 1 per rank, as Ray gives each worker one CPU); the
+peak is the resident set's high-water mark (VmHWM) from the first timed step on (reset after
+start-up, which loads the whole model on every rank at any stage), per rank.
+
+Where the parameters dominate (bench-100m), ZeRO-3 must hold less than ZeRO-2 (it shards the
+parameters between steps; rl-train gathers a model within trainer.zero3_max_live_parameters
+whole for each forward and backward, see update.trainer.EngineModule)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reset_peak() -> None:
+    """Start the high-water mark again from the current resident set (Linux clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
+            out_dir: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from rl.algo.batch import Sample, collate
+    from update.config import LossConfig, TrainerConfig
+    from update.losses import BatchCounts
+    from update.trainer import PolicyTrainer, init_distributed
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    cfg = TrainerConfig(zero_stage=stage, micro_batch_size=128, lr=5e-4)
+    trainer = PolicyTrainer(path, cfg, LossConfig(kl_coef=0.001), grad_accum=1)
+    rng = random.Random(rank)
+    samples = []
+    for g in range(16):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(18, 24))]
+        for _ in range(8):
+            response = [rng.randrange(3, 500) for _ in range(rng.randint(2, 8))]
+            samples.append(Sample(g, g, prompt, response, [-1.0 - rng.random() for _ in response],
+                                  "stop", "", advantages=[rng.gauss(0, 1)] * len(response)))
+    batch = collate(samples, 0, share_prompts=True)
+    counts = BatchCounts(float(batch["response_mask"].sum()) * world, 128.0 * world)
+    probe = list(range(3, 40))
+    times = []
+    trainer.train_step([dict(batch)], counts)  # the first step builds the optimizer's state
+    trainer.sequence_logprobs(probe)
+    reset_peak()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        metrics = trainer.train_step([dict(batch)], counts)
+        times.append(time.perf_counter() - t0)
+        trainer.sequence_logprobs(probe)
+    Path(out_dir, f"{stage}-{rank}.json").write_text(json.dumps(
+        {"step_s": sorted(times)[len(times) // 2], "peak_mib": peak_rss_mib(),
+         "loss": metrics["loss/policy"]}))
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    from rl.data.models import PRESETS, build_tiny_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench-100m", choices=sorted(PRESETS))
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per stage (median)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each stage, alternating")
+    args = ap.parse_args()
+    path = str(build_tiny_model(args.model))  # before any process group: rank 0 writes files
+    out = tempfile.mkdtemp()
+    cpu = ("amx_bf16" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX")
+    print(f"update step, {args.model}, 2 ranks x 1 thread, {os.cpu_count()} cores ({cpu}), "
+          f"median of {args.steps} steps; peak resident memory per rank during the steps")
+    rows = {}
+    for k in range(args.repeats):
+        for stage in map(int, args.stages.split(",")):
+            mp.spawn(_worker, args=(2, free_port(), path, stage, args.steps, out), nprocs=2)
+            ranks = [json.loads(Path(out, f"{stage}-{r}.json").read_text()) for r in range(2)]
+            rows.setdefault(stage, []).append(ranks)
+            print(f"  ZeRO-{stage} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "
+                  + ", ".join(f"{r['peak_mib']:.0f}" for r in ranks) + " MiB", flush=True)
+    print("\n| ZeRO stage | step s (per run) | peak MiB rank 0 | peak MiB rank 1 |")
+    print("| --- | --- | --- | --- |")
+    for stage, runs in rows.items():
+        steps = ", ".join(f"{r[0]['step_s']:.3f}" for r in runs)
+        print(f"| {stage} | {steps} | {max(r[0]['peak_mib'] for r in runs):.0f} "
+              f"| {max(r[1]['peak_mib'] for r in runs):.0f} |")
+    if 2 in rows and 3 in rows:
+        for k, (two, three) in enumerate(zip(rows[2], rows[3])):
+            ratio = three[0]["step_s"] / two[0]["step_s"]
+            print(f"run {k + 1}: ZeRO-3 / ZeRO-2 step {ratio:.2f}x, peak per rank " + ", ".join(
+                      f"{three[r]['peak_mib'] / two[r]['peak_mib']:.2f}x" for r in range(2)))
+
+
+if __name__ == "__main__":
+    main()
