@@ -12,9 +12,10 @@ runs in fresh processes (torch's threads: 1 per rank, as Ray gives each worker o
 peak is the resident set's high-water mark (VmHWM) from the first timed step on (reset after
 start-up, which loads the whole model on every rank at any stage), per rank.
 
-Where the parameters dominate (bench-100m), ZeRO-3 must hold less than ZeRO-2 (it shards the
-parameters between steps; rl-train gathers a model within trainer.zero3_max_live_parameters
-whole for each forward and backward, see update.trainer.EngineModule)."""
+Where the parameters dominate (bench-100m), ZeRO-3 should hold less than ZeRO-2 (it shards the
+parameters between steps); docs/benchmarks.md says what it holds here. rl-train gathers a model
+within trainer.zero3_whole_model_max whole for each forward and backward (--zero3-whole-model-max
+0: module by module; see update.trainer.EngineModule)."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ def reset_peak() -> None:
 
 
 def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
-            out_dir: str) -> None:
+            out_dir: str, whole_max: int | None) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -62,13 +63,15 @@ def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
 
     init_distributed(rank, world, "127.0.0.1", port)
     cfg = TrainerConfig(zero_stage=stage, micro_batch_size=128, lr=5e-4)
+    if whole_max is not None:
+        cfg.zero3_whole_model_max = whole_max
     trainer = PolicyTrainer(path, cfg, LossConfig(kl_coef=0.001), grad_accum=1)
     rng = random.Random(rank)
     samples = []
     for g in range(16):
-        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(18, 24))]
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randint(18, 24))]
         for _ in range(8):
-            response = [rng.randrange(3, 500) for _ in range(rng.randint(2, 8))]
+            response = [rng.randrange(3, 250) for _ in range(rng.randint(2, 8))]
             samples.append(Sample(g, g, prompt, response, [-1.0 - rng.random() for _ in response],
                                   "stop", "", advantages=[rng.gauss(0, 1)] * len(response)))
     batch = collate(samples, 0, share_prompts=True)
@@ -98,6 +101,8 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per stage (median)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each stage, alternating")
+    ap.add_argument("--zero3-whole-model-max", type=int,
+                    help="trainer.zero3_whole_model_max (default: the config's)")
     args = ap.parse_args()
     path = str(build_tiny_model(args.model))  # before any process group: rank 0 writes files
     out = tempfile.mkdtemp()
@@ -107,7 +112,8 @@ def main() -> None:
     rows = {}
     for k in range(args.repeats):
         for stage in map(int, args.stages.split(",")):
-            mp.spawn(_worker, args=(2, free_port(), path, stage, args.steps, out), nprocs=2)
+            mp.spawn(_worker, args=(2, free_port(), path, stage, args.steps, out,
+                                    args.zero3_whole_model_max), nprocs=2)
             ranks = [json.loads(Path(out, f"{stage}-{r}.json").read_text()) for r in range(2)]
             rows.setdefault(stage, []).append(ranks)
             print(f"  ZeRO-{stage} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "

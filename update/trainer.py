@@ -55,7 +55,6 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             "stage": cfg.zero_stage if train or cfg.zero_stage == 3 else 0,
             # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
             "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
-            "stage3_max_live_parameters": cfg.zero3_max_live_parameters,
             # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide
             # and computes x @ W.t() with matmul: for the strided hidden states that
             # logits_to_keep slices it falls back to a batched matmul that copies the weight once
@@ -116,7 +115,7 @@ class EngineModule(torch.nn.Module):
     one step to the next and it fetched every parameter on demand (the quickstart's update 2.5x
     ZeRO-2's).
 
-    `whole` (ZeRO-3, a model within `trainer.zero3_max_live_parameters`): the model is one ZeRO-3
+    `whole` (ZeRO-3, a model within `trainer.zero3_whole_model_max`): the model is one ZeRO-3
     leaf module (`deepspeed.utils.set_z3_leaf_module`), gathered whole in one collective for the
     forward and again for the backward, its gradients reduced once the backward has left it,
     instead of a gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer
@@ -239,10 +238,9 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
 
 
 def is_whole(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
-    """Whether ZeRO-3 gathers `model` whole (EngineModule): within the bound on the parameters
-    it may hold gathered at once (`stage3_max_live_parameters`, which its prefetch fills too)."""
+    """Whether ZeRO-3 gathers `model` whole (EngineModule): `trainer.zero3_whole_model_max`."""
     return (cfg.zero_stage == 3
-            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_max_live_parameters)
+            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_whole_model_max)
 
 
 def z3_whole(module: torch.nn.Module) -> bool:

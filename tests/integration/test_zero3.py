@@ -11,7 +11,7 @@ from tests.spawn import spawn_world
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
-           "zero3_by_module": dict(zero_stage=3, zero3_max_live_parameters=1),
+           "zero3_by_module": dict(zero_stage=3, zero3_whole_model_max=0),
            # activations recomputed in the backward, inside the leaf (full layout: HF turns the
            # cache off under checkpointing)
            "zero2_checkpointing": dict(zero_stage=2, gradient_checkpointing=True),
