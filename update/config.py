@@ -13,12 +13,13 @@ class TrainerConfig:
      "made the optimizer step of SmolLM2-135M 1.4-2.3 s instead of 0.4 s on CPU).")
     zero3_persistence_threshold: int = field(default=0, metadata={"bound": ">= 0"})
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
-    zero3_whole_model_max: int = field(default=10**9, metadata={"bound": ">= 0"})
-    ("ZeRO-3 gathers a model of at most this many parameters whole for each forward and "
-     "backward: one collective and no per-module hooks (the quickstart's update 1.16x ZeRO-2's "
-     "instead of 1.5x; on a 100M model 2 ranks peaked at 5.6 GB each, against 5.8 module by "
-     "module). The default is DeepSpeed's own bound on live parameters "
-     "(stage3_max_live_parameters); a larger model is gathered a module at a time.")
+    zero3_whole_model_max: int = field(default=0, metadata={"bound": ">= 0"})
+    ("ZeRO-3 gathers a trained model (policy, critic) of at most this many parameters whole "
+     "for each forward and backward: one collective, no per-module hooks (the quickstart's step "
+     "1.11x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's bit for bit, not those "
+     "of ZeRO-3 module by module, so seeded curves move); 0 gathers module by module. 1e9 "
+     "(DeepSpeed's bound on live parameters) for speed. The frozen reference is gathered whole "
+     "up to 1e9 anyway (no number changes).")
     dtype: str = "float32"
     "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
     bf16_mode: str = "weights"

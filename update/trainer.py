@@ -115,13 +115,13 @@ class EngineModule(torch.nn.Module):
     one step to the next and it fetched every parameter on demand (the quickstart's update 2.5x
     ZeRO-2's).
 
-    `whole` (ZeRO-3, a model within `trainer.zero3_whole_model_max`): the model is one ZeRO-3
-    leaf module (`deepspeed.utils.set_z3_leaf_module`), gathered whole in one collective for the
-    forward and again for the backward, its gradients reduced once the backward has left it,
-    instead of a gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer
-    model; the quickstart's update 0.13 -> 0.10 s, ZeRO-2 0.09). DeepSpeed reduces a leaf's
-    gradients when the gradients of its inputs are computed; token ids have none, so the
-    `Body`'s anchor is that input."""
+    `whole` (ZeRO-3; `is_whole`): the model is one ZeRO-3 leaf module
+    (`deepspeed.utils.set_z3_leaf_module`), gathered whole in one collective for the forward and
+    again for the backward, its gradients reduced once the backward has left it, instead of a
+    gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer model; the
+    quickstart's update 0.13 -> 0.10 s, ZeRO-2 0.09). DeepSpeed reduces a leaf's gradients when
+    the gradients of its inputs are computed; token ids have none, so the `Body`'s anchor is
+    that input."""
 
     def __init__(self, model: torch.nn.Module, whole: bool = False):
         super().__init__()
@@ -140,6 +140,8 @@ class EngineModule(torch.nn.Module):
         return self.body(anchor, *args, **kwargs)
 
 
+# DeepSpeed's default stage3_max_live_parameters: what ZeRO-3 may hold gathered at once anyway
+LIVE_MAX = 10**9
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -168,10 +170,10 @@ def scoring(engine):
     the record or broke it (a probe is shorter than the step it is checked against), and each
     training step then fetched on demand (the quickstart's update 0.17 s instead of 0.13).
 
-    Outside the hooks, a model gathered `whole` (EngineModule) runs on a full copy of its
-    weights gathered in one collective (`gathered_weights`, `torch.func.functional_call`); a
-    larger one gathers each decoder layer just before it runs and releases it after
-    (`deepspeed.zero.GatheredParameters`)."""
+    Outside the hooks, a model within LIVE_MAX runs on a full copy of its weights gathered in
+    one collective (`gathered_weights`, `torch.func.functional_call`; the tiny model's probe 7 ms
+    instead of 18 with a gather per layer); a larger one gathers each decoder layer just before
+    it runs and releases it after (`deepspeed.zero.GatheredParameters`)."""
     module = engine.module
     if engine.zero_optimization_stage() != 3:
         yield engine
@@ -180,7 +182,7 @@ def scoring(engine):
     from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
     saved = {m: [getattr(m, name) for name in HOOK_DICTS] for m in module.modules()}
-    whole = z3_whole(module)
+    whole = sum(p.ds_numel for p in module.parameters()) <= LIVE_MAX
     units = {} if whole else dict(gather_units(module))
     handles, gathered = [], {}
 
@@ -237,10 +239,12 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
     return out
 
 
-def is_whole(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
-    """Whether ZeRO-3 gathers `model` whole (EngineModule): `trainer.zero3_whole_model_max`."""
-    return (cfg.zero_stage == 3
-            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_whole_model_max)
+def is_whole(model: torch.nn.Module, cfg: TrainerConfig, frozen: bool = False) -> bool:
+    """Whether ZeRO-3 gathers `model` whole (EngineModule): a trained model within
+    `trainer.zero3_whole_model_max`; a frozen one (the reference) within LIVE_MAX, since
+    gathering it whole changes no number (it has no gradients to reduce)."""
+    bound = LIVE_MAX if frozen else cfg.zero3_whole_model_max
+    return cfg.zero_stage == 3 and sum(p.numel() for p in model.parameters()) <= bound
 
 
 def z3_whole(module: torch.nn.Module) -> bool:
@@ -280,7 +284,7 @@ class PolicyTrainer:
             ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref_model.requires_grad_(False)
             self.ref, *_ = deepspeed.initialize(
-                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg)),
+                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg, frozen=True)),
                 config=ds_config(cfg, self.world_size, grad_accum, train=False))
             self.ref.eval()
         self.share_prompts = self._can_share_prompts()

@@ -1,7 +1,8 @@
 """ZeRO-3 as the update runs it (update.trainer.EngineModule, `scoring`) against ZeRO-2, on real
 DeepSpeed engines, 2 ranks over gloo with the quickstart's shared-prompt layout and a KL
 reference: the same losses, gradient norms, probe logprobs and updated weights (1e-6), for the
-model gathered whole (one leaf module) and gathered module by module; a PPO critic alike. And
+policy gathered module by module (the default) and whole (one leaf module, also under gradient
+checkpointing); a PPO critic alike. And
 the probe and the old-logprob pass, run between training steps as rl-train runs them, leave
 ZeRO-3's record of the step's module order whole (else every step fetches on demand)."""
 import pytest
@@ -10,14 +11,14 @@ from tests.spawn import spawn_world
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
-CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
-           "zero3_by_module": dict(zero_stage=3, zero3_whole_model_max=0),
+WHOLE = dict(zero_stage=3, zero3_whole_model_max=10**9)
+CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3), "zero3_whole": WHOLE,
            # activations recomputed in the backward, inside the leaf (full layout: HF turns the
            # cache off under checkpointing)
            "zero2_checkpointing": dict(zero_stage=2, gradient_checkpointing=True),
-           "zero3_checkpointing": dict(zero_stage=3, gradient_checkpointing=True)}
-PAIRS = [("zero2", "zero3"), ("zero2", "zero3_by_module"),
-         ("zero2_checkpointing", "zero3_checkpointing")]
+           "zero3_whole_checkpointing": dict(WHOLE, gradient_checkpointing=True)}
+PAIRS = [("zero2", "zero3"), ("zero2", "zero3_whole"),
+         ("zero2_checkpointing", "zero3_whole_checkpointing")]
 PROBE = list(range(3, 40))
 
 
@@ -74,7 +75,8 @@ def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
         critic_metrics = critic.train_step([full], counts)
         values_after = critic.prepare([full])[0]["values"]
         results[name] = dict(
-            whole=z3_whole(trainer.engine.module), metrics=metrics, probes=probes,
+            whole=z3_whole(trainer.engine.module), ref_whole=z3_whole(trainer.ref.module),
+            metrics=metrics, probes=probes,
             engine_probe=engine_probe, traces=traces,
             weights={k: v.clone() for k, v in state.items()} if state else None,
             critic=(critic_metrics, values_after))
@@ -93,7 +95,9 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
     # before the ranks join their group: transformers writes model files on rank 0 only
     out = spawn_world(_run, 2, str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m")))
     for rank, results in out.items():
-        assert [results[c]["whole"] for c in CONFIGS] == [False, True, False, False, True]
+        # the policy gathered whole where asked; the frozen reference wherever ZeRO-3 runs
+        assert [results[c]["whole"] for c in CONFIGS] == [False, False, True, False, True]
+        assert [results[c]["ref_whole"] for c in CONFIGS] == [False, True, True, False, True]
         for base, name in PAIRS:
             z2, z3 = results[base], results[name]
             for m2, m3 in zip(z2["metrics"], z3["metrics"], strict=True):
