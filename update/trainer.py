@@ -86,22 +86,26 @@ def load_engine(engine, directory: str, tag: str) -> None:
 
 
 class Body(torch.nn.Module):
-    """The model, run with an `anchor` in front (see EngineModule): a zero scalar that requires
-    grad, made 1 and multiplied into the input embeddings (exactly: x * 1.0 == x). It is the first
-    thing in the graph, so that its gradient is the last one computed, after every weight's."""
+    """The model, run with an `anchor` in front where one is given (see EngineModule): a zero
+    scalar that requires grad, made 1 and multiplied into the input embeddings (exactly:
+    x * 1.0 == x). It is the first thing in the graph, so that its gradient is the last one
+    computed, after every weight's."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, anchor: torch.Tensor, *args, mb: dict | None = None, **kwargs):
-        one = anchor * 0 + 1
-        embed = self.model.get_input_embeddings()
-        handle = embed.register_forward_hook(lambda _m, _i, out: out * one)
+    def forward(self, anchor: torch.Tensor | None, *args, mb: dict | None = None, **kwargs):
+        handle = None
+        if anchor is not None:
+            one = anchor * 0 + 1
+            embed = self.model.get_input_embeddings()
+            handle = embed.register_forward_hook(lambda _m, _i, out: out * one)
         try:
             return self.model(*args, **kwargs) if mb is None else response_logits(self.model, mb)
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
 
 
 class EngineModule(torch.nn.Module):
@@ -126,6 +130,7 @@ class EngineModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, whole: bool = False):
         super().__init__()
         self.body = Body(model)
+        self.whole = whole
         if whole:
             from deepspeed.utils import set_z3_leaf_module
 
@@ -136,7 +141,9 @@ class EngineModule(torch.nn.Module):
         return self.body.model
 
     def forward(self, *args, **kwargs):
-        anchor = torch.zeros((), device=self.model.device, requires_grad=torch.is_grad_enabled())
+        anchor = None  # needed only where a backward reduces the leaf's gradients
+        if self.whole and torch.is_grad_enabled():
+            anchor = torch.zeros((), device=self.model.device, requires_grad=True)
         return self.body(anchor, *args, **kwargs)
 
 
@@ -171,9 +178,10 @@ def scoring(engine):
     training step then fetched on demand (the quickstart's update 0.17 s instead of 0.13).
 
     Outside the hooks, a model within LIVE_MAX runs on a full copy of its weights gathered in
-    one collective (`gathered_weights`, `torch.func.functional_call`; the tiny model's probe 7 ms
-    instead of 18 with a gather per layer); a larger one gathers each decoder layer just before
-    it runs and releases it after (`deepspeed.zero.GatheredParameters`)."""
+    one collective, once per context (`gathered_weights`, `torch.func.functional_call`; the
+    tiny model's probe 7 ms instead of 18 with a gather per layer); a larger one gathers each
+    decoder layer just before it runs and releases it after
+    (`deepspeed.zero.GatheredParameters`)."""
     module = engine.module
     if engine.zero_optimization_stage() != 3:
         yield engine
@@ -182,9 +190,9 @@ def scoring(engine):
     from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
     saved = {m: [getattr(m, name) for name in HOOK_DICTS] for m in module.modules()}
-    whole = sum(p.ds_numel for p in module.parameters()) <= LIVE_MAX
-    units = {} if whole else dict(gather_units(module))
-    handles, gathered = [], {}
+    full_copy = sum(p.ds_numel for p in module.parameters()) <= LIVE_MAX
+    units = {} if full_copy else dict(gather_units(module))
+    handles, gathered, weights = [], {}, {}
 
     def gather(m, *_):
         gathered[m] = deepspeed.zero.GatheredParameters(units[m], modifier_rank=None)
@@ -194,7 +202,8 @@ def scoring(engine):
         gathered.pop(m).__exit__(None, None, None)
 
     def on_full_weights(*args, **kwargs):
-        weights = gathered_weights(dict(module.named_parameters()))
+        if not weights:  # once per context: the weights do not change inside it
+            weights.update(gathered_weights(dict(module.named_parameters())))
         return torch.func.functional_call(module, weights, args, kwargs)
 
     try:
@@ -204,7 +213,7 @@ def scoring(engine):
         for m in units:
             handles += [m.register_forward_pre_hook(gather), m.register_forward_hook(release)]
         with autocast_if_enabled(engine):  # what the engine's own forward runs under
-            yield on_full_weights if whole else module
+            yield on_full_weights if full_copy else module
     finally:
         for h in handles:
             h.remove()
@@ -340,12 +349,12 @@ class PolicyTrainer:
         """
         self.engine.eval()
         out = []
-        for mb in micro_batches:
-            with scoring(self.engine) as policy:  # the reference only ever runs this forward
+        with scoring(self.engine) as policy:  # the reference only ever runs this forward
+            for mb in micro_batches:
                 item = {"old_logprobs": self._forward(policy, mb)[0].cpu()}
-            if self.ref is not None:
-                item["ref_logprobs"] = self._forward(self.ref, mb)[0].cpu()
-            out.append(item)
+                if self.ref is not None:
+                    item["ref_logprobs"] = self._forward(self.ref, mb)[0].cpu()
+                out.append(item)
         return out
 
     def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
@@ -441,6 +450,4 @@ def full_state_dict(engine, cfg: TrainerConfig) -> dict | None:
         state = engine._zero3_consolidated_16bit_state_dict()
     else:
         state = engine.module.state_dict() if dist.get_rank() == 0 else None
-    if state is None or not isinstance(engine.module, EngineModule):
-        return state
-    return {k.removeprefix("body.model."): v for k, v in state.items()}
+    return None if state is None else {k.removeprefix("body.model."): v for k, v in state.items()}

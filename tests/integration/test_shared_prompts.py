@@ -8,27 +8,36 @@ from tests.spawn import spawn_world
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 
-def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
+def rank_samples(rank: int, world_size: int, shortest: int = 1) -> tuple[list, object]:
+    """This rank's 3 prompts x 4 samples (responses of `shortest`-6 tokens) and the global
+    BatchCounts."""
     import random
 
+    from rl.algo.batch import Sample
+    from update.losses import BatchCounts
+
+    rng = random.Random(rank)
+    samples = []
+    for g in range(3):
+        prompt = [rng.randrange(5, 300) for _ in range(6 + 3 * g)]
+        for _ in range(4):
+            response = [rng.randrange(5, 300) for _ in range(rng.randint(shortest, 6))]
+            samples.append(Sample(g, g, prompt, response, [-rng.uniform(1, 3) for _ in response],
+                                  "stop", "", advantages=[rng.uniform(-1, 1)] * len(response)))
+    counts = BatchCounts(float(sum(len(s.response_ids) for s in samples) * world_size), 24.0)
+    return samples, counts
+
+
+def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
     import torch
 
-    from rl.algo.batch import Sample, collate
+    from rl.algo.batch import collate
     from update.config import LossConfig, TrainerConfig
-    from update.losses import BatchCounts
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, "127.0.0.1", port)
-    rng = random.Random(rank)
-    samples = []  # this rank's 3 prompts x 4 samples
-    for g in range(3):
-        prompt = [rng.randrange(5, 300) for _ in range(6 + 3 * g)]
-        for _ in range(4):
-            response = [rng.randrange(5, 300) for _ in range(rng.randint(1, 6))]
-            samples.append(Sample(g, g, prompt, response, [-rng.uniform(1, 3) for _ in response],
-                                  "stop", "", advantages=[rng.uniform(-1, 1)] * len(response)))
-    counts = BatchCounts(float(sum(len(s.response_ids) for s in samples) * world_size), 24.0)
+    samples, counts = rank_samples(rank, world_size)
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=3)
     loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
     results = {}

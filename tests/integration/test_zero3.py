@@ -7,6 +7,7 @@ the probe and the old-logprob pass, run between training steps as rl-train runs 
 ZeRO-3's record of the step's module order whole (else every step fetches on demand)."""
 import pytest
 
+from tests.integration.test_shared_prompts import rank_samples
 from tests.spawn import spawn_world
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
@@ -23,27 +24,16 @@ PROBE = list(range(3, 40))
 
 
 def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
-    import random
-
     import torch
 
-    from rl.algo.batch import Sample, collate
+    from rl.algo.batch import collate
     from update.config import LossConfig, TrainerConfig
     from update.critic import ValueTrainer
-    from update.losses import BatchCounts
     from update.trainer import PolicyTrainer, full_state_dict, init_distributed, z3_whole
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, "127.0.0.1", port)
-    rng = random.Random(rank)
-    samples = []  # this rank's 3 prompts x 4 samples
-    for g in range(3):
-        prompt = [rng.randrange(5, 300) for _ in range(6 + 3 * g)]
-        for _ in range(4):
-            response = [rng.randrange(5, 300) for _ in range(rng.randint(2, 6))]
-            samples.append(Sample(g, g, prompt, response, [-rng.uniform(1, 3) for _ in response],
-                                  "stop", "", advantages=[rng.uniform(-1, 1)] * len(response)))
-    counts = BatchCounts(float(sum(len(s.response_ids) for s in samples) * world_size), 24.0)
+    samples, counts = rank_samples(rank, world_size, shortest=2)
     loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
     results = {}
     for name, extra in CONFIGS.items():
