@@ -3,11 +3,12 @@ held-out evaluation, and what it leaves: metrics in jsonl, TensorBoard and offli
 timeline.json, the plot; `rl-eval` of its base model."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.early import early
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -17,25 +18,45 @@ REQUIRED = ["step", "reward/mean", "reward/std", "loss/policy", "kl/mean", "time
             "sync/logprob_max_abs_diff"]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("run")
-    env = dict(os.environ, RL_CACHE_DIR=str(tmp / "cache"))
-    cmd = [sys.executable, "-m", "rl.cli", "recipes/quickstart.yaml",
-           f"run.output_dir={tmp}", "run.name=it", "trainer.total_steps=3",
-           "trainer.checkpoint_every=2", "warmup.sft_steps=4", "rollout.prompts_per_step=8",
-           "rollout.n=4", "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01",
-           # the two-pass path, so that the timeline has prepare spans too
-           "algorithm.old_logprobs=pass", "run.loggers=[jsonl,tensorboard,wandb]",
-           # held-out evaluation before step 1, after step 2 and after the last; every
-           # trained completion logged, to check none is of a held-out prompt
-           "data.eval_fraction=0.1", "trainer.eval_every=2", "trainer.eval_k=2",
-           "run.log_samples=-1"]
+def run_command(tmp: Path) -> list[str]:
+    return [sys.executable, "-m", "rl.cli", "recipes/quickstart.yaml",
+            f"run.output_dir={tmp}", "run.name=it", "trainer.total_steps=3",
+            "trainer.checkpoint_every=2", "warmup.sft_steps=4", "rollout.prompts_per_step=8",
+            "rollout.n=4", "trainer.micro_batch_size=8", "algorithm.loss.kl_coef=0.01",
+            # the two-pass path, so that the timeline has prepare spans too
+            "algorithm.old_logprobs=pass", "run.loggers=[jsonl,tensorboard,wandb]",
+            # held-out evaluation before step 1, after step 2 and after the last; every
+            # trained completion logged, to check none is of a held-out prompt
+            "data.eval_fraction=0.1", "trainer.eval_every=2", "trainer.eval_k=2",
+            "run.log_samples=-1"]
+
+
+def run_env(tmp: Path) -> dict:
+    env = dict(os.environ, RL_CACHE_DIR=str(tmp / "cache"))  # a cache of its own: builds all
     env.pop("WANDB_API_KEY", None)
     env.pop("WANDB_MODE", None)
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return env
+
+
+def eval_command(tmp: Path) -> list[str]:
+    """`rl-eval` of the run's base model (made once the run has ended)."""
+    base = (RUN.dir / "stdout").read_text().split("warm-up: saved the base model to ")
+    base = base[1].split()[0] if len(base) > 1 else "(the run saved no base model)"
+    rl_eval = Path(sys.executable).parent / "rl-eval"  # the installed entry point
+    return [str(rl_eval), str(RUN.dir / "it" / "config.yaml"), base, "--output", str(tmp)]
+
+
+# started with the session, beside the unit tests (tests/early.py); rl-eval after the run
+RUN = early("rl_train", __file__, run_command, run_env)
+EVAL = early("rl_eval", __file__, eval_command,
+             lambda tmp: dict(os.environ, RL_CACHE_DIR=str(RUN.dir / "cache")), after=RUN)
+
+
+@pytest.fixture(scope="module")
+def finished_run():
+    out = RUN.result()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return tmp / "it", out.stdout
+    return RUN.dir / "it", out.stdout
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -128,17 +149,14 @@ def test_no_held_out_prompt_is_trained_on(finished_run):
                                                     for n in (0, 2, 3)]
 
 
-def test_rl_eval_of_the_base_model_reproduces_the_step_0_evaluation(finished_run, tmp_path):
-    run_dir, stdout = finished_run
-    base = stdout.split("warm-up: saved the base model to ")[1].split()[0]
-    rl_eval = Path(sys.executable).parent / "rl-eval"  # the installed entry point
-    out = subprocess.run([str(rl_eval), str(run_dir / "config.yaml"), base, "--output",
-                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, RL_CACHE_DIR=str(run_dir.parent / "cache")))
+def test_rl_eval_of_the_base_model_reproduces_the_step_0_evaluation(finished_run):
+    run_dir, _ = finished_run
+    out = EVAL.result()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    got = json.loads((tmp_path / "eval.json").read_text())
+    got = json.loads((EVAL.dir / "eval.json").read_text())
     step0 = read_metrics(run_dir)[0]
     keys = sorted(k for k in step0 if k.startswith("eval/"))
     assert keys == sorted(k for k in got if k.startswith("eval/")) and len(keys) == 5
     assert {k: got[k] for k in keys} == {k: step0[k] for k in keys}
-    assert (tmp_path / "step_0.jsonl").read_text() == (run_dir / "eval" / "step_0.jsonl").read_text()
+    want = (run_dir / "eval" / "step_0.jsonl").read_text()
+    assert (EVAL.dir / "step_0.jsonl").read_text() == want

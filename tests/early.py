@@ -1,0 +1,113 @@
+"""Process-boundary runs the suite starts before its first test.
+
+A test whose point is a CLI run in processes of its own (`rl-train` with its own cache, the
+vs_trl smoke) spends most of its wall time in start-ups and waits. The unit tests run first
+(tests/conftest.py) and use about one core of two, so such a run is started with the session,
+in the background, and its test collects the finished process: the same command, the same
+checks, only earlier. A test module registers its run at import time with `early`; the session
+starts every registered run of which at least one test was selected (so `-m "not slow"` starts
+none), and a test that asks for a run nobody started (the module run alone) starts it then. A
+run registered `after` another starts when that one has ended (its command is made then, so it
+can read what the first left).
+Its stdout and stderr go to files (a pipe nobody reads would fill and stop the run); what is
+still running at the session's end is killed with its process group.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).parents[1]
+
+
+class EarlyRun:
+    """One command, started at most once per session, in a directory of its own."""
+
+    def __init__(self, name: str, module: Path, command: Callable[[Path], list[str]],
+                 env: Callable[[Path], dict] | None, after: EarlyRun | None):
+        self.name, self.module, self.command, self.env = name, module, command, env
+        self.after = after
+        self.dir: Path | None = None
+        self.proc: subprocess.Popen | None = None
+        self.launcher: threading.Thread | None = None
+        self.stopped = False
+
+    def start(self) -> None:
+        if self.launcher is not None:
+            return
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rl-early-{self.name}-"))
+        if self.after is not None:
+            self.after.start()
+        self.launcher = threading.Thread(target=self._launch, daemon=True)
+        self.launcher.start()
+
+    def _launch(self) -> None:
+        if self.after is not None:
+            self.after.launcher.join()
+            self.after.proc.wait()
+        if self.stopped:
+            return
+        env = self.env(self.dir) if self.env else dict(os.environ)
+        with open(self.dir / "stdout", "w") as out, open(self.dir / "stderr", "w") as err:
+            self.proc = subprocess.Popen(self.command(self.dir), cwd=ROOT, env=env, stdout=out,
+                                         stderr=err, start_new_session=True)
+
+    def result(self, timeout: float = 900) -> subprocess.CompletedProcess:
+        """Waits for the run (starting it if need be); its directory is `self.dir`."""
+        self.start()
+        self.launcher.join()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return subprocess.CompletedProcess(self.proc.args, code, (self.dir / "stdout").read_text(),
+                                           (self.dir / "stderr").read_text())
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.launcher is not None:
+            self.launcher.join()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def remove(self) -> None:
+        self.stop()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+RUNS: dict[str, EarlyRun] = {}
+
+
+def early(name: str, module: str, command: Callable[[Path], list[str]],
+          env: Callable[[Path], dict] | None = None, after: EarlyRun | None = None) -> EarlyRun:
+    """Register `command(dir)` (run in the repository root; `env(dir)` its environment, default
+    this process's) as an early run of the test module at path `module` (its __file__); with
+    `after`, it starts once that run has ended."""
+    return RUNS.setdefault(name, EarlyRun(name, Path(module).resolve(), command, env, after))
+
+
+def start_selected(paths: set[Path]) -> list[EarlyRun]:
+    """Start every registered run whose module holds a selected test (`paths`)."""
+    started = [run for run in RUNS.values() if run.module in paths]
+    for run in started:
+        run.start()
+    return started
+
+
+def remove_all() -> None:
+    for run in RUNS.values():  # none launches any more; then each is killed in the order they
+        run.stopped = True     # were registered, a run before the run that waits for it
+    for run in RUNS.values():
+        run.remove()
