@@ -176,14 +176,14 @@ def cluster(tmp_path_factory):
         nodes.remove()
         pytest.skip(f"cannot make network namespaces here: {e.stderr.strip()}")
     try:
+        # the two jobs (see `jobs`) run at once; room for both pools of both on the head: only
+        # the custom resources send the engines to the other node
         nodes.start_node("head", ["--head", f"--port {GCS_PORT}", f"--dashboard-host {HEAD_IP}",
                                   f"--dashboard-port {DASHBOARD_PORT}", "--include-dashboard true",
-                                  # room for both pools on the head: only the custom resources send the
-                                  # engines to the other node
-                                  "--num-cpus 2", "--resources '{\"trainer_node\": 1}'"])
+                                  "--num-cpus 4", "--resources '{\"trainer_node\": 2}'"])
         nodes.wait_for_nodes(1)
-        nodes.start_node("worker", [f"--address {HEAD_IP}:{GCS_PORT}", "--num-cpus 1",
-                                    "--resources '{\"rollout_node\": 1}'"])
+        nodes.start_node("worker", [f"--address {HEAD_IP}:{GCS_PORT}", "--num-cpus 2",
+                                    "--resources '{\"rollout_node\": 2}'"])
         nodes.wait_for_nodes(2)
         yield nodes
     finally:
@@ -206,9 +206,19 @@ def submit(nodes: TwoNodes, job_id: str, out_dir: Path, *overrides: str) -> None
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory) -> dict[str, Path]:
+    """Both tests' jobs, submitted at once (their start-ups overlap): `rl-two-nodes` runs 2
+    steps, `rl-stopped` until its test stops it. Their output directories by job id."""
+    dirs = {job: tmp_path_factory.mktemp(job) for job in ("rl-two-nodes", "rl-stopped")}
+    submit(cluster, "rl-two-nodes", dirs["rl-two-nodes"], "trainer.total_steps=2")
+    submit(cluster, "rl-stopped", dirs["rl-stopped"], "trainer.total_steps=100000")
+    return dirs
+
+
 @pytest.mark.integration
-def test_job_on_two_nodes_syncs_across_hosts(cluster, tmp_path):
-    submit(cluster, "rl-two-nodes", tmp_path, "trainer.total_steps=2")
+def test_job_on_two_nodes_syncs_across_hosts(cluster, jobs):
+    tmp_path = jobs["rl-two-nodes"]
     status = cluster.wait_job("rl-two-nodes")
     logs = cluster.logs("rl-two-nodes")
     assert status == "SUCCEEDED", logs[-6000:]
@@ -224,9 +234,10 @@ def test_job_on_two_nodes_syncs_across_hosts(cluster, tmp_path):
 
 
 @pytest.mark.integration
-def test_job_stop_ends_the_run_and_leaves_nothing(cluster, tmp_path):
-    submit(cluster, "rl-stopped", tmp_path, "trainer.total_steps=100000")
-    metrics = tmp_path / "cluster" / "metrics.jsonl"
+def test_job_stop_ends_the_run_and_leaves_nothing(cluster, jobs):
+    # the other job first: nothing of it may be left when this one's processes are counted
+    assert cluster.wait_job("rl-two-nodes") != "TIMEOUT"
+    metrics = jobs["rl-stopped"] / "cluster" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert time.time() < deadline and cluster.job_status("rl-stopped") in ("RUNNING", "PENDING"), \
