@@ -40,6 +40,10 @@ class RolloutConfig:
     "Reuse KV blocks of shared prompt prefixes (reset after every weight sync)."
     block_size: int = field(default=32, metadata={"bound": ">= 1"})
     "KV block size in tokens; the CPU default (128) caches only full 128-token blocks."
+    tensor_parallel_size: int = field(default=1, metadata={"bound": ">= 1"})
+    ("TP ranks per engine: each engine's weights split over this many processes (on CPU, one "
+     "per core run of the engine's cores: VLLM_CPU_OMP_THREADS_BIND 'a|b'). The model's heads, "
+     "KV heads, intermediate size and padded vocab must divide it.")
     cpu_linear: str = "auto"
     ("CPU linears: repack (oneDNN's packed kernels, the weights kept beside them: syncs copy into "
      "the weights and re-pack), plain (F.linear on the weights as loaded: syncs copy, no re-pack; "

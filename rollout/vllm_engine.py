@@ -37,6 +37,12 @@ class _RotaryReloadFilter(logging.Filter):
 
 # The cpu_linear mode of the engine being built: vLLM dispatches each linear while it loads.
 _CPU_LINEAR = {"mode": "packed"}
+# ... and how a TP engine's rank processes learn it (rollout.tp_worker)
+CPU_LINEAR_ENV = "RL_CPU_LINEAR"
+
+
+def set_cpu_linear_mode(mode: str) -> None:
+    _CPU_LINEAR["mode"] = mode
 
 
 def install_cpu_linear_dispatch() -> None:
@@ -88,6 +94,36 @@ def tolerate_proxy_modules() -> None:
         return found if isinstance(found, dict) else {}
 
     dispatcher.vars = plain_vars
+
+
+def repack_linears(model: torch.nn.Module) -> None:
+    """Re-pack every linear that keeps oneDNN's packed copy beside its weight (cpu_linear=repack),
+    after new weights were written into the weights in place."""
+    from vllm.model_executor.layers import utils
+
+    repack = getattr(utils.dispatch_cpu_unquantized_gemm, "original", None)
+    if repack is not None:
+        for module in model.modules():
+            if getattr(module, "rl_repack", False):
+                repack(module, False)
+
+
+def tp_core_binding(tp_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a TP engine's ranks: this process's cores (its own binding
+    "a-b" where rlstack set one, else its CPU affinity) split into tp_size runs, "0|1"."""
+    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if "-" in bound and "|" not in bound and "," not in bound:
+        first, last = map(int, bound.split("-"))
+        cores = list(range(first, last + 1))
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp_size:
+        raise ValueError(f"rollout.tensor_parallel_size={tp_size} needs a core per TP rank; "
+                         f"this engine has {len(cores)} ({cores}): give each rollout engine "
+                         f"{tp_size} or more cores, or lower the tensor-parallel size")
+    per = len(cores) // tp_size
+    runs = [cores[r * per:(r + 1) * per] for r in range(tp_size)]
+    return "|".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 # vLLM-CPU's max_num_seqs for the LLM class (vllm.engine.arg_utils): sequences batched at once
@@ -151,8 +187,18 @@ class VLLMEngine:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             install_cpu_linear_dispatch()
             tolerate_proxy_modules()
-            _CPU_LINEAR["mode"] = cfg.cpu_linear_mode()
-        from vllm import LLM
+            set_cpu_linear_mode(cfg.cpu_linear_mode())
+        self.tp_size = cfg.tensor_parallel_size
+        tp_kwargs, engine_env = {}, {}
+        self.core_binding = None  # a TP engine's ranks' cores on CPU, "0|1"
+        if self.tp_size > 1:  # a worker process per rank: rollout.tp_worker
+            tp_kwargs = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp",
+                             worker_extension_cls="rollout.tp_worker.TPWorker")
+            if device == "cpu":  # what the rank processes start with
+                self.core_binding = tp_core_binding(self.tp_size)
+                engine_env = {CPU_LINEAR_ENV: cfg.cpu_linear_mode(),
+                              "VLLM_CPU_OMP_THREADS_BIND": self.core_binding}
+        from vllm import LLM, envs
 
         self.eager = eager_mode(cfg, model_path, device)
         if device == "cpu" and not self.eager:
@@ -163,7 +209,7 @@ class VLLMEngine:
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=seed,
                       max_model_len=cfg.max_model_len, enforce_eager=self.eager,
                       enable_prefix_caching=cfg.enable_prefix_caching, block_size=cfg.block_size,
-                      logprobs_mode=cfg.logprobs_mode, disable_log_stats=False)
+                      logprobs_mode=cfg.logprobs_mode, disable_log_stats=False, **tp_kwargs)
         if cfg.speculative_config() is not None:
             kwargs["speculative_config"] = cfg.speculative_config()
         if device == "cpu":
@@ -178,7 +224,16 @@ class VLLMEngine:
         # to tear down (see close)
         dist = torch.distributed
         self._foreign_group = dist.is_available() and dist.is_initialized()
-        self.llm = LLM(**kwargs)
+        # vLLM caches its environment once an engine has started: an engine started earlier in
+        # this process (another TP size, another binding) must not decide for this one
+        envs.disable_envs_cache()
+        kept = {k: os.environ.get(k) for k in engine_env}
+        os.environ.update(engine_env)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:  # this process's own binding again, for the engines it starts later
+            for k, v in kept.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _RotaryReloadFilter())
         self._last_counters = self._counters()
@@ -241,17 +296,27 @@ class VLLMEngine:
                                "blocks computed with the old weights")
 
     def weights_changed(self) -> None:
-        """After new weights were written into `parameters()` in place: re-pack the linears
-        that compute from packed copies (cpu_linear=repack), and drop KV blocks computed with
-        the old weights."""
-        from vllm.model_executor.layers import utils
-
-        repack = getattr(utils.dispatch_cpu_unquantized_gemm, "original", None)
-        if repack is not None:
-            for module in self._worker.model_runner.model.modules():
-                if getattr(module, "rl_repack", False):
-                    repack(module, False)
+        """After new weights were written into `parameters()` (or, at TP > 1, into the ranks'
+        shared weights) in place: re-pack the linears that compute from packed copies
+        (cpu_linear=repack), and drop KV blocks computed with the old weights."""
+        if self.tp_size > 1:
+            self.llm.collective_rpc("rl_weights_changed")
+        else:
+            repack_linears(self._worker.model_runner.model)
         self.reset_prefix_cache()
+
+    # ---- tensor-parallel engines: the ranks' weights live in worker processes (tp_worker)
+    def rank_parameters(self) -> list[list[tuple[str, list[int], str, int]]]:
+        """Each TP rank's parameters, by rank: (vLLM name, local shape, dtype, storage key)."""
+        found = self.llm.collective_rpc("rl_parameters")
+        by_rank = {f["rank"]: [tuple(p) for p in f["params"]] for f in found}
+        return [by_rank[r] for r in range(self.tp_size)]
+
+    def share_rank_weights(self, paths: list[str], places: list[dict[str, int]]) -> None:
+        """Each rank r moves its weights into a new file `paths[r]` in shared memory, every
+        name at its byte offset in `places[r]` ("__nbytes__": the file's size); see
+        rollout.tp_worker. The caller maps the files (and unlinks them once mapped)."""
+        self.llm.collective_rpc("rl_share_weights", args=(paths, places))
 
     def set_weight_placer(self, place) -> None:
         """Have `load_weights` hand the tensors to `place(iterator)` (which copies them into
@@ -260,7 +325,11 @@ class VLLMEngine:
 
     @property
     def _worker(self):
-        """The in-process model worker (exists because multiprocessing is off)."""
+        """The in-process model worker (exists because multiprocessing is off, at TP 1)."""
+        if self.tp_size > 1:
+            raise RuntimeError(f"a TP {self.tp_size} engine keeps its weights in one worker "
+                               f"process per rank: reach them through rank_parameters and "
+                               f"share_rank_weights (weight_sync.tp_shared), not in-process")
         core = self.llm.llm_engine.engine_core
         return core.engine_core.model_executor.driver_worker.worker
 

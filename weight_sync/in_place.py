@@ -39,16 +39,30 @@ class EngineLayout:
 
     @classmethod
     def of(cls, params: Mapping[str, torch.Tensor]) -> EngineLayout:
+        return cls.of_described([(name, list(p.shape), dtype_name(p.dtype), p.data_ptr())
+                                 for name, p in params.items()])
+
+    @classmethod
+    def of_described(cls, params: list[tuple[str, list[int], str, int]]) -> EngineLayout:
+        """From (name, shape, dtype, storage key) of each parameter, in order: names whose key
+        was seen before are aliases (a tied head). E.g. a TP rank's, from another process."""
         first: dict[int, str] = {}
         tensors, aliases, end = [], {}, 0
-        for name, p in params.items():
-            if p.data_ptr() in first:
-                aliases[name] = first[p.data_ptr()]
+        for name, shape, dtype, key in params:
+            if key in first:
+                aliases[name] = first[key]
                 continue
-            first[p.data_ptr()] = name
-            tensors.append(TensorMeta(name, list(p.shape), dtype_name(p.dtype), end))
-            end += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+            first[key] = name
+            meta = TensorMeta(name, list(shape), dtype, end)
+            tensors.append(meta)
+            end += -(-meta.nbytes // ALIGN) * ALIGN
         return cls(tensors, aliases, end)
+
+    def offsets(self) -> dict[str, int]:
+        """{every engine name, aliases included: its byte offset}."""
+        out = {m.name: m.offset for m in self.tensors}
+        out.update({alias: out[stored] for alias, stored in self.aliases.items()})
+        return out
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -81,13 +95,13 @@ class EngineLayout:
             views[meta.name].copy_(params[meta.name])
         return flat, views
 
-    def sent_numel(self, spec: TPSpec) -> int:
-        """Elements a sync fills: everything but the vocab's padding rows."""
+    def sent_numel(self, spec: TPSpec, tp_rank: int = 0) -> int:
+        """Elements a sync fills (of TP rank tp_rank's layout): all but the vocab's padding."""
         total = 0
         for m in self.tensors:
             rows = m.shape[0] if m.shape else 1
             numel = m.nbytes // getattr(torch, m.dtype).itemsize
-            total += sent_rows(m.name, rows, spec) * (numel // rows)
+            total += sent_rows(m.name, rows, spec, tp_rank) * (numel // rows)
         return total
 
 

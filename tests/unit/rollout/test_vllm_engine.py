@@ -1,5 +1,8 @@
 """The engine wrapper's pure parts (the engine itself runs in tests/integration)."""
 import logging
+import os
+
+import pytest
 
 from rollout.vllm_engine import _RotaryReloadFilter
 
@@ -62,3 +65,19 @@ def test_the_kv_cache_is_what_256_sequences_of_max_model_len_need_at_most_kv_cac
     assert kv_cache_bytes(RolloutConfig(max_model_len=512, kv_cache_gib=0.0625), path) == 2**26
     draft = RolloutConfig(max_model_len=512, speculative_method="draft", draft_model=path)
     assert kv_cache_bytes(draft, path) == 2 * 256 * 512 * 1024  # the draft's layers too
+
+
+def test_a_tp_engine_splits_its_cores_into_a_run_per_rank(monkeypatch):
+    from rollout.vllm_engine import tp_core_binding
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # as rl.run.role binds an actor
+    assert tp_core_binding(2) == "0|1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4-7")
+    assert tp_core_binding(2) == "4-5|6-7"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3-3")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs a core per TP rank"):
+        tp_core_binding(2)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # no binding: the process's affinity
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        assert tp_core_binding(2).split("|")[0].startswith(str(cores[0]))

@@ -1,0 +1,78 @@
+"""What a tensor-parallel engine's rank processes do for the rest of rlstack.
+
+At rollout.tensor_parallel_size > 1 vLLM runs each TP rank in a worker process of its own (its
+multiprocess executor; on CPU, with VLLM_ENABLE_V1_MULTIPROCESSING=0, the engine core stays in
+the calling process). The weights live in those workers, so nothing in the engine's process can
+copy into them. `TPWorker` is mixed into vLLM's worker class (`worker_extension_cls`); its
+methods run on every rank through `LLM.collective_rpc`:
+- `rl_parameters`: each rank's parameters (vLLM names, its local TP shapes, dtype, and which
+  names share storage: a tied head);
+- `rl_share_weights`: the rank copies its parameters into a file in shared memory at the byte
+  offsets it is given and points them at it. Any process of the host that maps the file then
+  writes the rank's weights in place: a weight sync (weight_sync.tp_shared) needs no RPC with
+  tensors and no second copy;
+- `rl_weights_changed`: after such writes, re-pack the linears that compute from packed copies.
+
+The module is imported by each worker before its model loads, so the CPU linear dispatch
+(rollout.cpu_linear, see `install_cpu_linear_dispatch`) is installed there too, in the mode the
+engine passes through the environment (RL_CPU_LINEAR).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from rollout.vllm_engine import (CPU_LINEAR_ENV, install_cpu_linear_dispatch,
+                                 repack_linears, set_cpu_linear_mode, tolerate_proxy_modules)
+
+if os.environ.get(CPU_LINEAR_ENV):  # a CPU engine's rank process
+    install_cpu_linear_dispatch()
+    set_cpu_linear_mode(os.environ[CPU_LINEAR_ENV])
+    tolerate_proxy_modules()
+
+
+class TPWorker:
+    """Methods of every rank of a TP engine (called as `collective_rpc("rl_...")`)."""
+
+    def _rl_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def rl_parameters(self) -> dict:
+        """{"rank": TP rank, "params": [(name, shape, dtype, storage key), ...]}, in the order
+        of named_parameters with duplicates (a tied head shares its key with the embedding)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        params = [(n, list(p.shape), str(p.dtype).removeprefix("torch."), p.data_ptr())
+                  for n, p in self._rl_model().named_parameters(remove_duplicate=False)]
+        return {"rank": get_tensor_model_parallel_rank(), "params": params}
+
+    def rl_share_weights(self, paths: list[str], places: list[dict]) -> str:
+        """Copy this rank's parameters into shared memory and point them there. `paths[r]` is
+        rank r's file (created here, `nbytes` long) and `places[r]` {name: byte offset} for every
+        name of rank r (a tied head at its embedding's offset). Returns the path."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        path, place = paths[rank], places[rank]
+        nbytes = place.pop("__nbytes__")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # every page there now: no SIGBUS on first touch
+            self._rl_map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        memory = torch.frombuffer(self._rl_map, dtype=torch.uint8)
+        with torch.no_grad():
+            for name, p in self._rl_model().named_parameters(remove_duplicate=False):
+                offset = place[name]
+                view = memory[offset:offset + p.numel() * p.element_size()]
+                view = view.view(p.dtype).view(p.shape)
+                if view.data_ptr() != p.data_ptr():
+                    view.copy_(p.data)
+                    p.data = view
+        return path
+
+    def rl_weights_changed(self) -> None:
+        repack_linears(self._rl_model())

@@ -1,0 +1,135 @@
+"""A tensor-parallel vLLM engine (TP 2: a worker process per rank, one core each) against TP 1 on
+the same weights, and a sync that writes each rank's slice into its shared weights
+(weight_sync.tp_shared). The engines run in a process of their own (python -m this module):
+vLLM's TP workers are processes of the engine's process, and this keeps pytest's clean."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
+
+ROOT = Path(__file__).parents[2]
+MAX_NEW = 12
+
+
+def hf_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
+    """Each token's logprob after the first, under a transformers model (the probe's side)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def perturbed(model, seed: int) -> dict:
+    """The model's state with seeded noise on every weight (as if trained), by HF name."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engines_main(model_path: str, out_path: str) -> None:
+    """Both engines; greedy tokens and prompt logprobs before and after syncs, and under faults."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import VLLMEngine
+    from weight_sync.buckets import tied_head_alias
+    from weight_sync.in_place import EngineLayout
+    from weight_sync.resharding import TPSpec
+    from weight_sync.tp_shared import TPSharedWeights
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"  # as a Role binds an actor with both cores
+    cfg = RolloutConfig(n=1, max_new_tokens=MAX_NEW, max_model_len=128, kv_cache_gib=0.05)
+    tp1 = VLLMEngine(model_path, cfg, seed=0, device="cpu")
+    tp2 = VLLMEngine(model_path, dataclasses.replace(cfg, tensor_parallel_size=2), seed=0,
+                     device="cpu")
+    prompts = [[1 + (7 * i + j) % 50 for j in range(5 + i)] for i in range(6)]
+
+    def observe(engine):
+        groups = engine.generate(prompts, greedy=True)
+        tokens = [g[0].token_ids for g in groups]
+        return tokens, engine.prompt_logprobs_many([p + t for p, t in zip(prompts, tokens)])
+
+    result = {"before": [observe(tp1), observe(tp2)], "cores": tp2.core_binding}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
+    spec = TPSpec.from_hf_config(model.config, tp_size=2)
+    shared = TPSharedWeights.create(tp2, spec)
+    result["bytes_per_rank"] = [sum(m.nbytes for m in layout.tensors)
+                                for layout in shared.layouts]
+    result["tp1_bytes"] = sum(m.nbytes for m in EngineLayout.of(tp1.parameters()).tensors)
+
+    state = perturbed(model, seed=1)
+    aliases = tied_head_alias(model)
+    tp1.load_weights(state.items())
+    result["written"] = shared.write(state.items(), aliases)
+    tp2.weights_changed()
+    after = [observe(tp1), observe(tp2)]
+    result["after"] = after
+    result["hf_after"] = hf_logprobs(model, [p + t for p, t in zip(prompts, after[1][0])])
+
+    # a fault: the next sync reaches rank 0 only
+    state = perturbed(model, seed=2)
+    tp1.load_weights(state.items())
+    shared.write(state.items(), aliases, ranks=[0])
+    tp2.weights_changed()
+    result["one_rank"] = [observe(tp1), observe(tp2)]
+    Path(out_path).write_text(json.dumps(result))
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    from rl.data.models import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("tp")
+    path = build_tiny_model("tiny-qwen2", seed=5, out_dir=tmp / "model")
+    out = subprocess.run([sys.executable, "-m", "tests.integration.test_tensor_parallel",
+                          str(path), str(tmp / "out.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.integration
+def test_tp2_engine_equals_tp1_and_each_rank_takes_its_slice(observed):
+    (tokens1, lp1), (tokens2, lp2) = observed["before"]
+    assert observed["cores"] == "0|1"  # a rank per core
+    assert tokens2 == tokens1 and all(len(t) == MAX_NEW for t in tokens1)
+    assert max_diff(lp1, lp2) <= 1e-5
+    # each rank holds its slice only: about half the weights (the norms are replicated)
+    assert all(b <= 0.55 * observed["tp1_bytes"] for b in observed["bytes_per_rank"])
+    # after a sync of new weights, written as slices into the ranks' shared memory
+    (tokens1, lp1), (tokens2, lp2) = observed["after"]
+    assert tokens2 == tokens1
+    assert max_diff(lp1, lp2) <= 1e-5
+    assert max_diff(lp2, observed["hf_after"]) <= 1e-4  # the weights are the trainer's
+    assert max_diff(lp1, observed["before"][0][1]) > 1e-2  # and they did change
+    assert observed["written"][0] == observed["written"][1]
+
+
+@pytest.mark.integration
+def test_a_rank_the_sync_missed_is_seen_by_its_logprobs(observed):
+    (_, lp1), (_, lp2) = observed["one_rank"]
+    assert max_diff(lp1, lp2) > 1e-2  # far beyond the probe's 1e-3 in float32
+
+
+if __name__ == "__main__":
+    engines_main(sys.argv[1], sys.argv[2])
