@@ -1,18 +1,19 @@
 """A tensor-parallel vLLM engine (TP 2: a worker process per rank, one core each) against TP 1 on
 the same weights, and a sync that writes each rank's slice into its shared weights
-(weight_sync.tp_shared). The engines run in a process of their own (python -m this module):
-vLLM's TP workers are processes of the engine's process, and this keeps pytest's clean."""
+(weight_sync.tp_shared). The engines run in a process of their own (python -m this module,
+started with the session beside the unit tests: tests/early.py): vLLM's TP workers are
+processes of the engine's process, and this keeps pytest's clean."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.early import early
+
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
-ROOT = Path(__file__).parents[2]
 MAX_NEW = 12
 
 
@@ -40,12 +41,13 @@ def perturbed(model, seed: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engines_main(model_path: str, out_path: str) -> None:
+def engines_main(out_dir: str) -> None:
     """Both engines; greedy tokens and prompt logprobs before and after syncs, and under faults."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
 
+    from rl.data.models import build_tiny_model
     from rollout.config import RolloutConfig
     from rollout.vllm_engine import VLLMEngine
     from weight_sync.buckets import tied_head_alias
@@ -53,6 +55,7 @@ def engines_main(model_path: str, out_path: str) -> None:
     from weight_sync.resharding import TPSpec
     from weight_sync.tp_shared import TPSharedWeights
 
+    model_path = str(build_tiny_model("tiny-qwen2", seed=5, out_dir=Path(out_dir) / "model"))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"  # as a Role binds an actor with both cores
     cfg = RolloutConfig(n=1, max_new_tokens=MAX_NEW, max_model_len=128, kv_cache_gib=0.05)
     tp1 = VLLMEngine(model_path, cfg, seed=0, device="cpu")
@@ -88,24 +91,22 @@ def engines_main(model_path: str, out_path: str) -> None:
     shared.write(state.items(), aliases, ranks=[0])
     tp2.weights_changed()
     result["one_rank"] = [observe(tp1), observe(tp2)]
-    Path(out_path).write_text(json.dumps(result))
+    (Path(out_dir) / "out.json").write_text(json.dumps(result))
 
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
 
 
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory):
-    from rl.data.models import build_tiny_model
+ENGINES = early("tensor_parallel", __file__, lambda tmp: [
+    sys.executable, "-m", "tests.integration.test_tensor_parallel", str(tmp)])
 
-    tmp = tmp_path_factory.mktemp("tp")
-    path = build_tiny_model("tiny-qwen2", seed=5, out_dir=tmp / "model")
-    out = subprocess.run([sys.executable, "-m", "tests.integration.test_tensor_parallel",
-                          str(path), str(tmp / "out.json")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+
+@pytest.fixture(scope="module")
+def observed():
+    out = ENGINES.result(timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return json.loads((tmp / "out.json").read_text())
+    return json.loads((ENGINES.dir / "out.json").read_text())
 
 
 @pytest.mark.integration
@@ -132,4 +133,4 @@ def test_a_rank_the_sync_missed_is_seen_by_its_logprobs(observed):
 
 
 if __name__ == "__main__":
-    engines_main(sys.argv[1], sys.argv[2])
+    engines_main(sys.argv[1])
