@@ -233,7 +233,10 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         finally:  # this process's own binding again, for the engines it starts later
             for k, v in kept.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _RotaryReloadFilter())
         self._last_counters = self._counters()

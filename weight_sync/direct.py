@@ -48,25 +48,31 @@ class DirectLoad:
         filled: dict[int, dict[int, int]] = {}  # storage -> {row offset: rows}
         with torch.no_grad():
             for name, tensor in weights:
-                target, offset = local_param_slot(name, self.spec)
-                param = self.params.get(target)
-                if param is None:
-                    raise DirectLoadError(f"{name!r} goes to engine parameter {target!r}, which "
-                                          f"the engine does not have; {RELOAD_HINT}")
-                rows = tensor.shape[0] if tensor.dim() else 1
-                if tensor.shape[1:] != param.shape[1:] or offset + rows > param.shape[0]:
-                    raise DirectLoadError(
-                        f"{name!r} {tuple(tensor.shape)} does not fit rows [{offset}, "
-                        f"{offset + rows}) of engine parameter {target!r} "
-                        f"{tuple(param.shape)}: the engine was built from another model config")
-                done = filled.setdefault(param.data_ptr(), {})
-                if offset in done:  # the other name of a tied head: same storage, same rows
-                    continue
-                param.narrow(0, offset, rows).copy_(tensor)
-                done[offset] = rows
-        self._check_complete(filled)
+                self.place(name, tensor, filled)
+        self.check_complete(filled)
 
-    def _check_complete(self, filled: dict[int, dict[int, int]]) -> None:
+    def place(self, name: str, tensor: torch.Tensor, filled: dict[int, dict[int, int]]) -> int:
+        """Copy one tensor to its slot, noting it in `filled` (storage -> {row offset: rows});
+        returns the elements copied (0 for the other name of a tied head: same rows)."""
+        target, offset = local_param_slot(name, self.spec)
+        param = self.params.get(target)
+        if param is None:
+            raise DirectLoadError(f"{name!r} goes to engine parameter {target!r}, which "
+                                  f"the engine does not have; {RELOAD_HINT}")
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if tensor.shape[1:] != param.shape[1:] or offset + rows > param.shape[0]:
+            raise DirectLoadError(
+                f"{name!r} {tuple(tensor.shape)} does not fit rows [{offset}, "
+                f"{offset + rows}) of engine parameter {target!r} "
+                f"{tuple(param.shape)}: the engine was built from another model config")
+        done = filled.setdefault(param.data_ptr(), {})
+        if offset in done:  # the other name of a tied head: same storage, same rows
+            return 0
+        param.narrow(0, offset, rows).copy_(tensor)
+        done[offset] = rows
+        return tensor.numel()
+
+    def check_complete(self, filled: dict[int, dict[int, int]]) -> None:
         missing = []
         for key, name in self._unique.items():
             param = self.params[name]

@@ -21,10 +21,10 @@ from typing import Iterable, Mapping
 import torch
 
 from weight_sync.buckets import names_for
-from weight_sync.direct import RELOAD_HINT, DirectLoadError
+from weight_sync.direct import DirectLoad
 from weight_sync.in_place import EngineLayout
-from weight_sync.node_buckets import _shm_dir
-from weight_sync.resharding import TPSpec, local_param_slot, shard_for_rank
+from weight_sync.node_buckets import _map, _shm_dir
+from weight_sync.resharding import TPSpec, shard_for_rank
 
 
 class TPSharedWeights:
@@ -45,20 +45,17 @@ class TPSharedWeights:
         layouts = [EngineLayout.of_described(params) for params in engine.rank_parameters()]
         tag = uuid.uuid4().hex
         paths = [os.path.join(_shm_dir(), f"rlstack-tp{r}-{tag}") for r in range(spec.tp_size)]
-        places = [dict(layout.offsets(), __nbytes__=max(layout.nbytes, 64)) for layout in layouts]
+        sizes = [max(layout.nbytes, 64) for layout in layouts]
+        places = [dict(layout.offsets(), __nbytes__=n) for layout, n in zip(layouts, sizes)]
         try:
             engine.share_rank_weights(paths, places)
-            maps = []
-            for path, layout in zip(paths, layouts):
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    maps.append(mmap.mmap(fd, max(layout.nbytes, 64)))
-                finally:
-                    os.close(fd)
+            maps = [_map(path, n) for path, n in zip(paths, sizes)]
         finally:
             for path in paths:
                 if os.path.exists(path):
                     os.unlink(path)
+        if None in maps:
+            raise OSError(f"could not map the TP ranks' weights in {_shm_dir()}")
         return cls(spec, layouts, maps)
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -66,31 +63,19 @@ class TPSharedWeights:
               ) -> list[int]:
         """Write each (HF name, full tensor) as every rank's slice (`ranks`: only those, e.g. a
         rank's own writer); `aliases`: extra engine name -> HF name (a tied head sent once).
-        Returns the elements written per rank; every engine parameter must be covered (the
-        vocab's padding rows excepted), else DirectLoadError, before the engine reads."""
+        Returns the elements written per rank; each rank is placed as `DirectLoad` places one
+        engine (a tied head once), and every parameter must be covered (the vocab's padding
+        rows excepted), else DirectLoadError, before the engine reads."""
         ranks = list(range(self.spec.tp_size)) if ranks is None else list(ranks)
+        loads = {r: DirectLoad(self.views[r], self.spec, tp_rank=r) for r in ranks}
+        filled = {r: {} for r in ranks}
         written = [0] * self.spec.tp_size
         with torch.no_grad():
             for name, full in weights:
-                seen = set()
                 for target_name in names_for(name, dict(aliases or {})):
-                    target, row = local_param_slot(target_name, self.spec)
-                    stored = self.layouts[0].aliases.get(target, target)
-                    if stored in seen:  # a head the engine ties too: the same memory
-                        continue
-                    seen.add(stored)
                     for r in ranks:
-                        if stored not in self.views[r]:
-                            raise DirectLoadError(f"{target_name!r} goes to parameter "
-                                                  f"{target!r}, which TP rank {r} does not "
-                                                  f"have; {RELOAD_HINT}")
                         piece = shard_for_rank(target_name, full, self.spec, r)
-                        self.views[r][stored].narrow(0, row, piece.shape[0]).copy_(piece)
-                        written[r] += piece.numel()
+                        written[r] += loads[r].place(target_name, piece, filled[r])
         for r in ranks:
-            want = self.layouts[r].sent_numel(self.spec, r)
-            if written[r] != want:
-                raise DirectLoadError(f"a sync wrote {written[r]} elements of TP rank {r}'s "
-                                      f"weights, which has {want}: the trainer and engine "
-                                      f"models differ (a parameter missing on one side)")
+            loads[r].check_complete(filled[r])
         return written
