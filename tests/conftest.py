@@ -12,7 +12,8 @@ def pytest_collection_modifyitems(items):
 
 def pytest_collection_finish(session):
     if not session.config.option.collectonly:
-        early.start_selected({Path(item.path).resolve() for item in session.items})
+        early.SELECTED.update(Path(item.path).resolve() for item in session.items)
+        early.start_selected(early.SELECTED)
 
 
 def pytest_sessionfinish():

@@ -10,7 +10,8 @@ none), and a test that asks for a run nobody started (the module run alone) star
 run registered `after` another starts when that one has ended (its command is made then, so it
 can read what the first left).
 Its stdout and stderr go to files (a pipe nobody reads would fill and stop the run); what is
-still running at the session's end is killed with its process group.
+still running at the session's end is stopped with its process group (SIGTERM, then
+SIGKILL).
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ class EarlyRun:
     """One command, started at most once per session, in a directory of its own."""
 
     def __init__(self, name: str, module: Path, command: Callable[[Path], list[str]],
-                 env: Callable[[Path], dict] | None, after: EarlyRun | None):
+                 env: Callable[[Path], dict] | None, after: EarlyRun | None,
+                 with_integration: bool):
         self.name, self.module, self.command, self.env = name, module, command, env
-        self.after = after
+        self.after, self.with_integration = after, with_integration
+        self.queued_behind: EarlyRun | None = None  # the run before it in the integration lane
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.launcher: threading.Thread | None = None
@@ -48,9 +51,11 @@ class EarlyRun:
         self.launcher.start()
 
     def _launch(self) -> None:
-        if self.after is not None:
-            self.after.launcher.join()
-            self.after.proc.wait()
+        for before in (self.after, self.queued_behind):
+            if before is not None and before.launcher is not None:
+                before.launcher.join()
+                if before.proc is not None:
+                    before.proc.wait()
         if self.stopped:
             return
         env = self.env(self.dir) if self.env else dict(os.environ)
@@ -75,11 +80,18 @@ class EarlyRun:
         if self.launcher is not None:
             self.launcher.join()
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+            # SIGTERM first: a run may have made what only it can remove (the cluster test's
+            # network namespaces); what is left after 15 s is killed
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
 
     def remove(self) -> None:
         self.stop()
@@ -91,16 +103,28 @@ RUNS: dict[str, EarlyRun] = {}
 
 
 def early(name: str, module: str, command: Callable[[Path], list[str]],
-          env: Callable[[Path], dict] | None = None, after: EarlyRun | None = None) -> EarlyRun:
+          env: Callable[[Path], dict] | None = None, after: EarlyRun | None = None,
+          with_integration: bool = False) -> EarlyRun:
     """Register `command(dir)` (run in the repository root; `env(dir)` its environment, default
-    this process's) as an early run of the test module at path `module` (its __file__); with
-    `after`, it starts once that run has ended."""
-    return RUNS.setdefault(name, EarlyRun(name, Path(module).resolve(), command, env, after))
+    this process's when it starts) as an early run of the test module at path `module` (its
+    __file__); with `after`, it starts once that run has ended; `with_integration`, with the
+    first integration test."""
+    return RUNS.setdefault(name, EarlyRun(name, Path(module).resolve(), command, env, after,
+                                          with_integration))
 
 
-def start_selected(paths: set[Path]) -> list[EarlyRun]:
-    """Start every registered run whose module holds a selected test (`paths`)."""
-    started = [run for run in RUNS.values() if run.module in paths]
+SELECTED: set[Path] = set()  # the modules of the session's selected tests
+
+
+def start_selected(paths: set[Path], with_integration: bool = False) -> list[EarlyRun]:
+    """Start every registered run (of the phase `with_integration` says) whose module holds a
+    selected test (`paths`)."""
+    started = [run for run in RUNS.values()
+               if run.module in paths and run.with_integration == with_integration]
+    if with_integration:  # one at a time, in the order of their tests: more at once made the
+        started.sort(key=lambda run: run.module)  # suite slower (the cores oversubscribed)
+        for before, run in zip(started, started[1:]):
+            run.queued_behind = before
     for run in started:
         run.start()
     return started

@@ -30,6 +30,15 @@ def shared_cache(tmp_path_factory):
         os.environ["RL_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def runs_with_integration(shared_cache):
+    """The early runs registered `with_integration` (tests/early.py) start with the first
+    integration test, in the session's cache."""
+    from tests import early
+
+    early.start_selected(early.SELECTED, with_integration=True)
+
+
 # Logical CPUs of the session's Ray: room for the placements of several shapes (0.5 CPU per
 # actor) to be kept side by side; the cores are the machine's either way. A kept actor holds
 # ~0.75 GB (its imports), so at most 10 are kept.

@@ -5,22 +5,27 @@ having logged step 5 past its checkpoint step_4, and the run resumed with --resu
 engine in step 7 (restart from step_6). What the async modes promise (docs/checkpoints-and-
 resume.md): not bit-exactness, but no sample trained twice (each prompt row's group once, in one
 step), none beyond the staleness bound, the step counter and policy version continuous, and
-metrics.jsonl, rollouts.jsonl and W&B holding each step once."""
+metrics.jsonl, rollouts.jsonl and W&B holding each step once.
+The two runs are CLI processes driven from a process of their own, started with the integration
+tests (tests/early.py): start-ups and waits, which leave cores idle beside the other tests."""
 import json
 import os
 import signal
+import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_resume import descendants, held, kill_driver, lines, wait_held
+from tests.early import early
+from tests.integration.test_resume import (descendants, held, kill_driver, kill_held_on_sigterm,
+                                           lines, wait_held)
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 PROMPTS, N, STEPS = 4, 4, 8
-# the warm-up as test_algorithms' quickstart_one_step has it: cached in the session by then
+# the warm-up as test_algorithms' quickstart_one_step has it: one model in the session's cache
 COMMON = ["warmup.sft_steps=30", "warmup.batch_size=32", f"rollout.prompts_per_step={PROMPTS}",
           f"rollout.n={N}", "trainer.micro_batch_size=8", f"trainer.total_steps={STEPS}",
           "trainer.checkpoint_every=2", "trainer.max_restarts=1", "data.eval_fraction=0",
@@ -65,15 +70,24 @@ def hurt_run(mode: str, tmp: Path) -> Path:
     return tmp / "a"
 
 
-@pytest.mark.integration
-def test_dead_trainer_killed_driver_and_dead_engine_train_no_sample_twice(tmp_path):
-    """Both modes' runs at once: most of each is start-ups (4 per run), which leave cores idle
-    (as benchmarks/vs_trl.py --jobs 2 finds)."""
+def hurt_runs(out: str) -> None:
+    """Both modes' runs at once (under `out`): most of each is start-ups (4 per run), which
+    leave cores idle (as benchmarks/vs_trl.py --jobs 2 finds)."""
     with ThreadPoolExecutor(2) as pool:
-        runs = {mode: pool.submit(hurt_run, mode, tmp_path / mode) for mode in BOUND}
-        runs = {mode: run.result() for mode, run in runs.items()}
-    for mode, run in runs.items():
-        check_promises(run, BOUND[mode])
+        for run in [pool.submit(hurt_run, mode, Path(out) / mode) for mode in BOUND]:
+            run.result()
+
+
+RUNS = early("async_faults", __file__, with_integration=True, command=lambda tmp: [
+    sys.executable, "-m", "tests.integration.test_async_faults", str(tmp)])
+
+
+@pytest.mark.integration
+def test_dead_trainer_killed_driver_and_dead_engine_train_no_sample_twice():
+    out = RUNS.result()
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    for mode, bound in BOUND.items():
+        check_promises(RUNS.dir / mode / "a", bound)
 
 
 def check_promises(run: Path, bound: int) -> None:
@@ -107,3 +121,8 @@ def check_wandb(run: Path, metrics: list[dict]) -> None:
     assert [r["_step"] for r in rows] == [m["step"] for m in metrics], rows
     for r, m in zip(rows, metrics):
         assert r["_step"] == 5 or r["reward/mean"] == pytest.approx(m["reward/mean"]), (r, m)
+
+
+if __name__ == "__main__":
+    kill_held_on_sigterm()
+    hurt_runs(sys.argv[1])

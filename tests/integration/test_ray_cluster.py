@@ -8,6 +8,10 @@ pool is placed on the head node and the rollout pool on the worker node by Ray c
 resources (ray.trainer_resources / ray.rollout_resources), so the weight sync crosses the veth
 (no shared memory) and must pass its probe check. `ray job stop` must end a run with nothing
 left behind and no restart. Everything made here is removed at the end.
+
+The cluster, its two jobs and the stop are driven from a process of their own (python -m this
+module), started with the integration tests (tests/early.py): they are start-ups and waits,
+which leave cores idle beside the other tests. It writes what the tests check to out.json.
 """
 import json
 import os
@@ -17,10 +21,12 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 
+from tests.early import early
 from tests.procs import processes, with_descendants
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
@@ -165,32 +171,23 @@ def run_processes(nodes: "TwoNodes") -> dict[int, str]:
     return {pid: procs[pid][2] for pid in with_descendants(run, procs) if procs[pid][1] != "Z"}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster_unavailable() -> str | None:
+    """Why this machine cannot make the second host, or None."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
-        pytest.skip("needs root, ip and unshare to make the second host's namespaces")
-    nodes = TwoNodes(tmp_path_factory.mktemp("cluster"))
-    try:
-        nodes.make_network()
-    except subprocess.CalledProcessError as e:
-        nodes.remove()
-        pytest.skip(f"cannot make network namespaces here: {e.stderr.strip()}")
-    try:
-        # the two jobs (see `jobs`) run at once; room for both pools of both on the head: only
-        # the custom resources send the engines to the other node
-        nodes.start_node("head", ["--head", f"--port {GCS_PORT}", f"--dashboard-host {HEAD_IP}",
-                                  f"--dashboard-port {DASHBOARD_PORT}", "--include-dashboard true",
-                                  "--num-cpus 4", "--resources '{\"trainer_node\": 2}'"])
-        nodes.wait_for_nodes(1)
-        nodes.start_node("worker", [f"--address {HEAD_IP}:{GCS_PORT}", "--num-cpus 2",
-                                    "--resources '{\"rollout_node\": 2}'"])
-        nodes.wait_for_nodes(2)
-        yield nodes
-    finally:
-        nodes.remove()
-        left = _ip("netns", "list").stdout
-        assert nodes.head_ns not in left and nodes.worker_ns not in left, left
-        assert nodes.links[0] not in _ip("link").stdout
+        return "needs root, ip and unshare to make the second host's namespaces"
+    return None
+
+
+def start_cluster(nodes: TwoNodes) -> None:
+    # the two jobs run at once; room for both pools of both on the head: only the custom
+    # resources send the engines to the other node
+    nodes.start_node("head", ["--head", f"--port {GCS_PORT}", f"--dashboard-host {HEAD_IP}",
+                              f"--dashboard-port {DASHBOARD_PORT}", "--include-dashboard true",
+                              "--num-cpus 4", "--resources '{\"trainer_node\": 2}'"])
+    nodes.wait_for_nodes(1)
+    nodes.start_node("worker", [f"--address {HEAD_IP}:{GCS_PORT}", "--num-cpus 2",
+                                "--resources '{\"rollout_node\": 2}'"])
+    nodes.wait_for_nodes(2)
 
 
 def submit(nodes: TwoNodes, job_id: str, out_dir: Path, *overrides: str) -> None:
@@ -206,60 +203,132 @@ def submit(nodes: TwoNodes, job_id: str, out_dir: Path, *overrides: str) -> None
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def two_nodes_job(nodes: TwoNodes, out_dir: Path) -> dict:
+    """What the 2-step job left: its status, logs and metrics."""
+    status = nodes.wait_job("rl-two-nodes")
+    metrics = out_dir / "cluster" / "metrics.jsonl"
+    return {"status": status, "logs": nodes.logs("rl-two-nodes"), "hosts": nodes.hosts,
+            "metrics": [json.loads(x) for x in metrics.read_text().splitlines()]
+            if metrics.exists() else None,
+            "final_model": (out_dir / "cluster" / "final_model" / "config.json").exists()}
+
+
+def stopped_job(nodes: TwoNodes, out_dir: Path) -> dict:
+    """`ray job stop` of the endless job, once it has logged 2 steps, and what it left."""
+    # the other job first: nothing of it may be left when this one's processes are counted
+    assert nodes.wait_job("rl-two-nodes") != "TIMEOUT"
+    metrics = out_dir / "cluster" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.time() < deadline and nodes.job_status("rl-stopped") in ("RUNNING", "PENDING"), \
+            nodes.logs("rl-stopped")[-4000:]
+        time.sleep(2)
+    seen = {"before": run_processes(nodes)}
+    out = nodes.job("stop", "rl-stopped", timeout=120)
+    seen["stop"] = [out.returncode, out.stdout + out.stderr]
+    seen["status_after_stop"] = nodes.wait_job("rl-stopped", timeout=60)
+    seen["logs"] = nodes.logs("rl-stopped")
+    deadline = time.time() + 60
+    while run_processes(nodes) and time.time() < deadline:
+        time.sleep(1)
+    seen["left"] = run_processes(nodes)
+    now = processes()
+    seen["before_alive"] = {pid: args for pid, args in seen["before"].items()
+                            if pid in now and now[pid][1] != "Z"}
+    steps = metrics.read_text().count("\n")
+    time.sleep(5)  # no restart: nothing writes to the run any more
+    seen["steps"] = [steps, metrics.read_text().count("\n")]
+    seen["status_later"] = nodes.job_status("rl-stopped")
+    return seen
+
+
+def cluster_main(out_dir: str) -> None:
+    """Makes the cluster, submits both jobs at once (their start-ups overlap: `rl-two-nodes`
+    runs 2 steps, `rl-stopped` until it is stopped), and writes what each test checks to
+    out.json, or why it could not (`skip`, or each part's error)."""
+    tmp = Path(out_dir)
+    result: dict = {"skip": cluster_unavailable()}
+    if result["skip"] is None:
+        nodes = TwoNodes(tmp)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop still cleans up
+        try:
+            try:
+                nodes.make_network()
+            except subprocess.CalledProcessError as e:
+                result["skip"] = f"cannot make network namespaces here: {e.stderr.strip()}"
+            else:
+                start_cluster(nodes)
+                dirs = {job: tmp / job for job in ("rl-two-nodes", "rl-stopped")}
+                submit(nodes, "rl-two-nodes", dirs["rl-two-nodes"], "trainer.total_steps=2")
+                submit(nodes, "rl-stopped", dirs["rl-stopped"], "trainer.total_steps=100000")
+                for part, job, check in (("two_nodes", "rl-two-nodes", two_nodes_job),
+                                         ("stopped", "rl-stopped", stopped_job)):
+                    try:
+                        result[part] = check(nodes, dirs[job])
+                    except Exception:  # the part's test shows it; the other part goes on
+                        result[part] = {"error": traceback.format_exc()}
+        finally:
+            nodes.remove()
+            result["left"] = {"netns": _ip("netns", "list").stdout, "links": _ip("link").stdout,
+                              "names": [nodes.head_ns, nodes.worker_ns, nodes.links[0]]}
+    (tmp / "out.json").write_text(json.dumps(result))
+
+
+# the cluster's set-up and jobs are start-ups and waits: started with the integration tests
+CLUSTER = early("ray_cluster", __file__, with_integration=True, command=lambda tmp: [
+    sys.executable, "-m", "tests.integration.test_ray_cluster", str(tmp)])
+
+
 @pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory) -> dict[str, Path]:
-    """Both tests' jobs, submitted at once (their start-ups overlap): `rl-two-nodes` runs 2
-    steps, `rl-stopped` until its test stops it. Their output directories by job id."""
-    dirs = {job: tmp_path_factory.mktemp(job) for job in ("rl-two-nodes", "rl-stopped")}
-    submit(cluster, "rl-two-nodes", dirs["rl-two-nodes"], "trainer.total_steps=2")
-    submit(cluster, "rl-stopped", dirs["rl-stopped"], "trainer.total_steps=100000")
-    return dirs
+def cluster() -> dict:
+    out = CLUSTER.result()
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    result = json.loads((CLUSTER.dir / "out.json").read_text())
+    if result["skip"]:
+        pytest.skip(result["skip"])
+    left = result["left"]  # everything made here is removed
+    assert not any(name in left["netns"] for name in left["names"][:2]), left["netns"]
+    assert left["names"][2] not in left["links"], left["links"]
+    return result
+
+
+def part(result: dict, name: str) -> dict:
+    assert "error" not in result[name], result[name]["error"]
+    return result[name]
 
 
 @pytest.mark.integration
-def test_job_on_two_nodes_syncs_across_hosts(cluster, jobs):
-    tmp_path = jobs["rl-two-nodes"]
-    status = cluster.wait_job("rl-two-nodes")
-    logs = cluster.logs("rl-two-nodes")
-    assert status == "SUCCEEDED", logs[-6000:]
-    head, worker = cluster.hosts["head"], cluster.hosts["worker"]
+def test_job_on_two_nodes_syncs_across_hosts(cluster):
+    job = part(cluster, "two_nodes")
+    logs = job["logs"]
+    assert job["status"] == "SUCCEEDED", logs[-6000:]
+    head, worker = job["hosts"]["head"], job["hosts"]["worker"]
     assert f"placement: trainer rank 0 on {head}, rollout engine 0 on {worker}" in logs, logs[-3000:]
-    lines = [json.loads(x) for x in (tmp_path / "cluster" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2]
-    for m in lines:
+    assert [m["step"] for m in job["metrics"]] == [1, 2]
+    for m in job["metrics"]:
         assert m["sync/cross_host"] == 1.0  # the buckets crossed the veth pair
         assert m["sync/logprob_max_abs_diff"] <= 1e-3  # and the probe check passed
         assert m["sync/policy_version"] == m["step"]
-    assert (tmp_path / "cluster" / "final_model" / "config.json").exists()
+    assert job["final_model"]
 
 
 @pytest.mark.integration
-def test_job_stop_ends_the_run_and_leaves_nothing(cluster, jobs):
-    # the other job first: nothing of it may be left when this one's processes are counted
-    assert cluster.wait_job("rl-two-nodes") != "TIMEOUT"
-    metrics = jobs["rl-stopped"] / "cluster" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert time.time() < deadline and cluster.job_status("rl-stopped") in ("RUNNING", "PENDING"), \
-            cluster.logs("rl-stopped")[-4000:]
-        time.sleep(2)
-    before = run_processes(cluster)
-    names = " ".join(before.values())
+def test_job_stop_ends_the_run_and_leaves_nothing(cluster):
+    seen = part(cluster, "stopped")
+    names = " ".join(seen["before"].values())
     assert "rl-train" in names and "ray::TrainerWorker" in names and "ray::RolloutWorker" in names, \
-        before
-    out = cluster.job("stop", "rl-stopped", timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert cluster.wait_job("rl-stopped", timeout=60) == "STOPPED"
+        seen["before"]
+    code, out = seen["stop"]
+    assert code == 0, out
+    assert seen["status_after_stop"] == "STOPPED"
     # a deliberate stop: rl-train took SIGTERM like Ctrl-C, not as a crash
-    assert "rl-train: stopped by a signal" in cluster.logs("rl-stopped")
-    deadline = time.time() + 60
-    while run_processes(cluster) and time.time() < deadline:
-        time.sleep(1)
-    assert not run_processes(cluster), run_processes(cluster)
-    now = processes()
-    left = [pid for pid in before if pid in now and now[pid][1] != "Z"]
-    assert not left, {pid: before[pid] for pid in left}
-    steps = metrics.read_text().count("\n")
-    time.sleep(5)  # no restart: nothing writes to the run any more
-    assert metrics.read_text().count("\n") == steps
-    assert cluster.job_status("rl-stopped") == "STOPPED"
+    assert "rl-train: stopped by a signal" in seen["logs"]
+    assert not seen["left"], seen["left"]
+    assert not seen["before_alive"], seen["before_alive"]
+    steps, later = seen["steps"]
+    assert later == steps  # no restart: nothing wrote to the run any more
+    assert seen["status_later"] == "STOPPED"
+
+
+if __name__ == "__main__":
+    cluster_main(sys.argv[1])

@@ -2,18 +2,22 @@
 actor is SIGKILLed and restarted from its latest checkpoint, logs every step exactly as the run
 that was never interrupted (fp32, CPU, colocated ZeRO-3 + vLLM), every key but timings; and its
 logs hold each step once. The test is one uninterrupted run, one run hurt twice, and one resume:
-rl-train's start-up is most of its time."""
+rl-train's start-up is most of its time, so the three are CLI processes driven from a process of
+their own, started with the integration tests (tests/early.py): start-ups and waits, which leave
+cores idle beside the other tests."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from tests.early import early
 from tests.procs import processes, with_descendants
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
@@ -68,6 +72,23 @@ def descendants(pid: int) -> dict[int, str]:
     return {p: procs[p][2] for p in with_descendants({pid}, procs) - {pid}}
 
 
+HELD: set[int] = set()  # the sessions (process groups) of the runs `held` has started
+
+
+def kill_held_on_sigterm() -> None:
+    """For a process that drives held runs (python -m a test module): a SIGTERM (the test
+    session's end, tests/early.py) kills them, whose sessions are their own, and exits."""
+    def stop(*_):
+        for pid in list(HELD):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 @contextmanager
 def held(tmp: Path, name: str, holds: list[tuple[str, int]], *extra: str, args: list[str] = ARGS):
     """A run started with the hold reward and one hold file per (checkpoint, lines logged) in
@@ -80,9 +101,11 @@ def held(tmp: Path, name: str, holds: list[tuple[str, int]], *extra: str, args: 
     proc = rl_train(tmp, name, *extra, wait=False, args=args,
                     env={"RL_TEST_HOLD_FILE": str(tmp / f"hold-{name}"),
                          "RL_TEST_HOLD_RUN": str(tmp / name)})
+    HELD.add(proc.pid)
     try:
         yield proc, files
     finally:
+        HELD.discard(proc.pid)
         for f in files:
             f.unlink(missing_ok=True)
         try:  # what a killed driver leaves (reward pool, Ray) holds the output pipe open
@@ -106,32 +129,13 @@ def kill_driver(proc) -> None:
     proc.wait()
 
 
-def whole_run(placements, tmp: Path) -> list[dict]:
-    """The uninterrupted run, in this process on the session's kept actors: the CLI runs below,
-    each in processes of its own, must equal it bit for bit (metrics.jsonl only: loggers do not
-    touch the numbers)."""
-    from rl.config import load_config
-    from rl.run.controller import Controller
-
-    cfg = load_config(str(ROOT / ARGS[0]), ARGS[1:] + [f"run.output_dir={tmp}", "run.name=whole",
-                                                      "run.loggers=[jsonl]"])
-    return lines(Controller(cfg, placements=placements).run())
-
-
-@pytest.mark.integration
-def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact(placements, tmp_path):
+def hurt_and_resume(tmp: Path) -> None:
     """One run is hurt twice: a trainer actor is SIGKILLed in step 3 (trainer.max_restarts=1
     restarts the placement from step_2), then the driver is SIGKILLed in step 6, having logged
-    step 5 past its checkpoint step_4; `--resume` drops that line, writes it again and finishes.
-    Steps 1-6 equal the uninterrupted run's bit for bit (the critic's loss and values too), and
-    metrics.jsonl, rollouts.jsonl, TensorBoard and W&B hold each step once."""
-    with held(tmp_path, "r", [("step_2", 2), ("step_4", 5)], "trainer.max_restarts=1") as (
+    step 5 past its checkpoint step_4; `--resume` drops that line, writes it again and
+    finishes."""
+    with held(tmp, "r", [("step_2", 2), ("step_4", 5)], "trainer.max_restarts=1") as (
             proc, (actor_hold, driver_hold)):
-        # the reference run meanwhile: the CLI's start-up leaves cores idle
-        whole = whole_run(placements, tmp_path)
-        assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
-        assert max(m["dynamic/rounds"] for m in whole) > 1, whole  # it did sample again
-        assert all("loss/value" in m and "values/mean" in m for m in whole)
         wait_held(proc, actor_hold)
         workers = [pid for pid, args in descendants(proc.pid).items()
                    if "ray::ColocatedWorker" in args]
@@ -142,13 +146,39 @@ def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact(place
         kill_driver(proc)
     out = proc.stdout.read()  # complete once the run's session is gone
     assert "died during step 3" in out and "restarting the placement from step_2" in out, out[-3000:]
-    assert [m["step"] for m in lines(tmp_path / "r")] == [1, 2, 3, 4, 5]
-    out = rl_train(tmp_path, "r", "--resume")
+    assert [m["step"] for m in lines(tmp / "r")] == [1, 2, 3, 4, 5]
+    out = rl_train(tmp, "r", "--resume")
     assert "resuming from" in out.stdout and "step_4" in out.stdout
-    again = lines(tmp_path / "r")
+
+
+def runs(tmp: Path) -> None:
+    """The uninterrupted run (`whole`, metrics.jsonl only: loggers do not touch the numbers)
+    beside the hurt one (`r`): their start-ups overlap."""
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(rl_train, tmp, "whole", "run.loggers=[jsonl]")
+        hurt_and_resume(tmp)
+        whole.result()
+
+
+RUNS = early("resume", __file__, with_integration=True, command=lambda tmp: [
+    sys.executable, "-m", "tests.integration.test_resume", str(tmp)])
+
+
+@pytest.mark.integration
+def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact():
+    """The hurt and resumed run's steps 1-6 equal the uninterrupted run's bit for bit (the
+    critic's loss and values too), and metrics.jsonl, rollouts.jsonl, TensorBoard and W&B hold
+    each step once."""
+    out = RUNS.result()
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    whole = lines(RUNS.dir / "whole")
+    assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
+    assert max(m["dynamic/rounds"] for m in whole) > 1, whole  # it did sample again
+    assert all("loss/value" in m and "values/mean" in m for m in whole)
+    again = lines(RUNS.dir / "r")
     assert_same_steps(whole, again)  # each step once, bit for bit
-    check_logs(tmp_path / "r", 6)
-    check_loggers(tmp_path / "r", again)
+    check_logs(RUNS.dir / "r", 6)
+    check_loggers(RUNS.dir / "r", again)
 
 
 def check_logs(run: Path, steps: int) -> None:
@@ -173,3 +203,8 @@ def check_loggers(run: Path, want_lines: list[dict]) -> None:
     rows = [(r["_step"], r["reward/mean"]) for r in wandb_offline_history(run)
             if "reward/mean" in r]
     assert rows == want
+
+
+if __name__ == "__main__":
+    kill_held_on_sigterm()
+    runs(Path(sys.argv[1]))
