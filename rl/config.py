@@ -177,11 +177,10 @@ def validate(cfg: Config) -> None:
     if cfg.sync.checksum not in CHECKSUMS:
         raise ConfigError(f"sync.checksum={cfg.sync.checksum!r} is not known; use one of: "
                           f"{', '.join(CHECKSUMS)}")
-    if cfg.rollout.tensor_parallel_size > 1:
+    if cfg.rollout.tensor_parallel_size > 1 and cfg.placement != "disaggregated":
         raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: "
-                          f"TP engines start and take each rank's slice in a sync "
-                          f"(rollout/tp_worker.py, weight_sync/tp_shared.py), but rl-train's "
-                          f"placements do not run them yet; use 1")
+                          f"the {cfg.placement} placement does not run tensor-parallel engines "
+                          f"yet; use placement=disaggregated (or tensor_parallel_size=1)")
     if cfg.rollout.cpu_linear not in CPU_LINEAR:
         raise ConfigError(f"rollout.cpu_linear={cfg.rollout.cpu_linear!r} is not known; use one "
                           f"of: {', '.join(CPU_LINEAR)}")

@@ -102,6 +102,62 @@ def check_rows(cfg: Config, rows: list[dict], where: str = "train_path") -> None
                               f"data.prompt_key or fix the row")
 
 
+def engine_cores(cfg: Config, num_cpus: int | None = None) -> int:
+    """Cores each rollout engine of a disaggregated CPU run binds (rl.run.role.Role): its share
+    of the engines' cores (their own when the roles are split, else all of them)."""
+    import os
+
+    from rl.run.placement import split_cores, split_roles
+
+    r = cfg.ray
+    total = num_cpus or os.cpu_count() or 1
+    if split_roles(cfg):
+        total = split_cores(r.num_workers * r.num_cpus_per_worker,
+                            r.num_rollout_workers * r.num_cpus_per_rollout_worker, total)[1][1]
+    return max(1, total // r.num_rollout_workers)
+
+
+def check_tensor_parallel(cfg: Config, num_cpus: int | None = None) -> None:
+    """rollout.tensor_parallel_size against the model's shape (heads, KV heads, intermediate
+    size and padded vocab must divide it; a Qwen2/Llama model) and, on CPU, the engines' cores
+    (a core per rank)."""
+    tp = cfg.rollout.tensor_parallel_size
+    if tp == 1:
+        return
+    from rl.data.models import PRESETS
+    from weight_sync.direct import DirectLoad
+    from weight_sync.resharding import TPSpec
+
+    key, path = f"rollout.tensor_parallel_size={tp}", cfg.model.path
+    name = path.removeprefix("builtin:")
+    try:
+        if path.startswith("builtin:") and name in PRESETS:
+            p = PRESETS[name]
+            model_type = p.arch
+            TPSpec(tp, p.num_heads, p.num_kv_heads, p.hidden_size // p.num_heads,
+                   p.intermediate_size, p.vocab_size)
+        elif path.startswith("builtin:"):
+            model_type = None  # a model built at start (GGUF): vLLM checks it then
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path)
+            model_type = config.model_type
+            TPSpec.from_hf_config(config, tp)
+    except ValueError as e:
+        raise ConfigError(f"{key} does not fit model.path={path!r}: {e}") from None
+    if model_type is not None and not DirectLoad.supports(model_type):
+        raise ConfigError(f"{key}: syncs into TP engines know the Qwen2 and Llama families, not "
+                          f"model_type {model_type!r}; use tensor_parallel_size=1")
+    if not cfg.ray.num_gpus_per_rollout_worker:
+        cores = engine_cores(cfg, num_cpus)
+        if cores < tp:
+            raise ConfigError(
+                f"{key} needs a core per TP rank: each of the {cfg.ray.num_rollout_workers} "
+                f"rollout engine(s) gets {cores} core(s) here, which fits TP <= {cores}; lower "
+                f"ray.num_rollout_workers or the TP size")
+
+
 def preflight(cfg: Config):
     """Every up-front check; returns the data set (rl.data.prompts.Rows: training and held-out rows,
     through the rewards' start checks)."""
@@ -116,6 +172,7 @@ def preflight(cfg: Config):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     check_model_path(cfg)
+    check_tensor_parallel(cfg)
     check_ray_address(cfg)
     check_names(cfg)  # imports torch (the registries live beside the math)
     warning = bf16_warning(cfg, native_bf16())

@@ -59,7 +59,14 @@ class RolloutRole(Role):
 
         config = self.engine.hf_config
         self.direct_load = False
-        if self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
+        if self.engine.tp_size > 1:  # each rank's slice into its shared weights
+            from weight_sync.tp_shared import TPSharedWeights
+
+            shared = TPSharedWeights.create(
+                self.engine, TPSpec.from_hf_config(config, self.engine.tp_size))
+            self.engine.set_weight_placer(shared.write)
+            self.direct_load = True
+        elif self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
             spec = TPSpec.from_hf_config(config, tp_size=1)
             self.engine.set_weight_placer(DirectLoad(self.engine.parameters(), spec))
             self.direct_load = True
@@ -76,8 +83,9 @@ class RolloutRole(Role):
         take weights in place (packed CPU linears, an unknown model)."""
         from weight_sync.in_place import EngineLayout
 
-        if not self.direct_load or self.device != "cpu":
-            return None  # the sender cuts in-place buckets from CPU shared memory only
+        if not self.direct_load or self.device != "cpu" or self.engine.tp_size > 1:
+            return None  # the sender cuts in-place buckets from CPU shared memory only, and
+            # for one rank's layout
         params = self.engine.parameters()
         layout = EngineLayout.of(params)
         flat, views = layout.pack(params)

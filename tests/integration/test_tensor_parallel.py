@@ -1,8 +1,10 @@
 """A tensor-parallel vLLM engine (TP 2: a worker process per rank, one core each) against TP 1 on
 the same weights, and a sync that writes each rank's slice into its shared weights
-(weight_sync.tp_shared). The engines run in a process of their own (python -m this module,
-started with the session beside the unit tests: tests/early.py): vLLM's TP workers are
-processes of the engine's process, and this keeps pytest's clean."""
+(weight_sync.tp_shared); then a disaggregated run on a TP 2 engine, whose probe passes after
+every sync and stops the run at a sync that missed a rank. The engines of the first part run in
+a process of their own (python -m this module, started with the session beside the unit tests:
+tests/early.py): vLLM's TP workers are processes of the engine's process, and this keeps
+pytest's clean."""
 import json
 import os
 import sys
@@ -132,5 +134,75 @@ def test_a_rank_the_sync_missed_is_seen_by_its_logprobs(observed):
     assert max_diff(lp1, lp2) > 1e-2  # far beyond the probe's 1e-3 in float32
 
 
+def _sync_misses_rank_1(self) -> None:
+    """In the rollout actor: its syncs write TP rank 0's slices only (a fault)."""
+    write = self.engine._place_weights  # TPSharedWeights.write
+    self.engine.set_weight_placer(lambda weights: write(weights, ranks=[0]))
+
+
+def run_main(out_dir: str) -> None:
+    """A disaggregated run on one TP 2 engine (Ray of its own): 2 steps, then a fault in the
+    engine's actor and a third step, which must stop at its sync."""
+    import ray
+
+    from rl.config import load_config
+    from rl.run.cluster import start_ray
+    from rl.run.controller import Controller
+    from weight_sync.verify import SyncVerificationError
+
+    cfg = load_config(str(Path(__file__).parents[2] / "recipes" / "quickstart_disaggregated.yaml"),
+                      ["rollout.tensor_parallel_size=2", "ray.num_workers=1",
+                       "ray.num_rollout_workers=1", "ray.num_cpus_per_worker=0.5",
+                       "ray.num_cpus_per_rollout_worker=0.5", "rollout.prompts_per_step=8",
+                       "rollout.n=4", "trainer.micro_batch_size=8", "warmup.sft_steps=30",
+                       "warmup.batch_size=32", "data.eval_fraction=0", "trainer.eval_every=0",
+                       f"run.output_dir={out_dir}"])
+    start_ray(cfg)
+    c = Controller(cfg)
+    c.setup()
+    result = {}
+    try:
+        result["metrics"] = [c.step(k) for k in (1, 2)]
+        ray.get(c.placement.engines[0].__ray_call__.remote(_sync_misses_rank_1))
+        try:
+            c.step(3)
+            result["stopped"] = None
+        except SyncVerificationError as e:
+            result["stopped"] = str(e)
+    finally:
+        c.shutdown()
+        ray.shutdown()
+    (Path(out_dir) / "run.json").write_text(json.dumps(result))
+
+
+# with the integration tests, in the session's cache, once the engines' process has ended
+RUN = early("tensor_parallel_run", __file__, lambda tmp: [
+    sys.executable, "-m", "tests.integration.test_tensor_parallel", "run", str(tmp)],
+    after=ENGINES, with_integration=True)
+
+
+@pytest.fixture(scope="module")
+def run():
+    out = RUN.result(timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return json.loads((RUN.dir / "run.json").read_text())
+
+
+@pytest.mark.integration
+def test_a_disaggregated_run_on_a_tp2_engine_checks_every_sync(run):
+    assert [m["step"] for m in run["metrics"]] == [1, 2]
+    for m in run["metrics"]:
+        assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"] == 1e-3
+        assert m["sync/direct_load"] == 1.0 and m["sync/retries"] == 0.0
+
+
+@pytest.mark.integration
+def test_a_sync_that_missed_a_tp_rank_stops_the_run(run):
+    assert run["stopped"] is not None and "rollout engine 0" in run["stopped"], run["stopped"]
+
+
 if __name__ == "__main__":
-    engines_main(sys.argv[1])
+    if sys.argv[1] == "run":
+        run_main(sys.argv[2])
+    else:
+        engines_main(sys.argv[1])

@@ -51,8 +51,9 @@ def data(tmp_path):
 
 CONFIG_CASES = {
     "unknown key": (["rollout.temprature=1.0"], ["rollout.temprature", "temperature"]),
-    "tensor-parallel engines in rl-train": (["rollout.tensor_parallel_size=2"],
-                                            ["rollout.tensor_parallel_size=2", "use 1"]),
+    "tensor-parallel engines colocated": (["rollout.tensor_parallel_size=2"],
+                                          ["rollout.tensor_parallel_size=2",
+                                           "placement=disaggregated"]),
     "wrong type": (["rollout.n=many"], ["rollout.n", "many"]),
     "override without =": (["rollout.n"], ["key=value"]),
     "unknown advantage": (["algorithm.advantage=grpp"], ["algorithm.advantage", "grpo"]),

@@ -1,4 +1,5 @@
-"""Start-up checks that warn rather than refuse: bfloat16 on a CPU without bf16 kernels."""
+"""Start-up checks: bfloat16 on a CPU without bf16 kernels warns; a tensor-parallel size that
+does not fit the model or the engines' cores is refused."""
 import pytest
 
 from rl.config import load_config
@@ -35,3 +36,21 @@ def test_preflight_prints_the_warning_on_this_machine_exactly_when_it_lacks_bf16
     preflight(cfg)
     printed = capsys.readouterr().err
     assert ("bf16 matmuls run about 100x slower" in printed) == (not native_bf16()), printed
+
+
+def test_tensor_parallel_size_must_fit_the_model_and_the_engines_cores():
+    from rl.config import ConfigError
+    from rl.preflight import check_tensor_parallel
+
+    def cfg(*overrides):
+        return load_config("recipes/quickstart_disaggregated.yaml",
+                           ["ray.num_rollout_workers=1", *overrides])
+
+    check_tensor_parallel(cfg("rollout.tensor_parallel_size=2"), num_cpus=2)  # 4 heads, 2 KV
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not fit .*num_heads=4"):
+        check_tensor_parallel(cfg("rollout.tensor_parallel_size=3"), num_cpus=4)
+    with pytest.raises(ConfigError, match=r"gets 1 core\(s\) here, which fits TP <= 1"):
+        check_tensor_parallel(cfg("rollout.tensor_parallel_size=2"), num_cpus=1)
+    with pytest.raises(ConfigError, match=r"each of the 2 rollout engine"):  # 2 engines, 2 cores
+        check_tensor_parallel(cfg("rollout.tensor_parallel_size=2",
+                                  "ray.num_rollout_workers=2"), num_cpus=2)
