@@ -33,8 +33,10 @@ fi
   || { echo "setup: vllm and transformers do not import together; see the error above" >&2; exit 1; }
 if [ "$target" = cpu ]; then
   # DeepSpeed's shared-memory collective for CPU ranks is compiled on first use (~35 s, then
-  # cached under ~/.cache/torch_extensions): once here, not inside the first run or test
-  .venv/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+  # cached under ~/.cache/torch_extensions): once here, not inside the first run or test, and as
+  # every run loads it (update.trainer: the venv's ninja, whose build log another ninja cannot
+  # read: built here with the system's, it was built again by the first test)
+  .venv/bin/python -c "from update.trainer import load_shm_comm_op; load_shm_comm_op()" \
     >/dev/null 2>&1 || echo "setup: DeepSpeed's shm op did not build now; the first run builds it" >&2
 fi
 echo "setup: .venv ready ($target)"
