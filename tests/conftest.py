@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     if not session.config.option.collectonly:
         early.SELECTED.update(Path(item.path).resolve() for item in session.items)
-        early.start_selected(early.SELECTED)
+        early.start_selected()
 
 
 def pytest_sessionfinish():

@@ -75,6 +75,12 @@ class EarlyRun:
         return subprocess.CompletedProcess(self.proc.args, code, (self.dir / "stdout").read_text(),
                                            (self.dir / "stderr").read_text())
 
+    def passed(self, timeout: float = 900) -> subprocess.CompletedProcess:
+        """`result`, asserting the run exited 0 (the tails of its output if not)."""
+        out = self.result(timeout)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        return out
+
     def stop(self) -> None:
         self.stopped = True
         if self.launcher is not None:
@@ -113,14 +119,14 @@ def early(name: str, module: str, command: Callable[[Path], list[str]],
                                           with_integration))
 
 
-SELECTED: set[Path] = set()  # the modules of the session's selected tests
+SELECTED: set[Path] = set()  # the modules of the session's selected tests (conftest)
 
 
-def start_selected(paths: set[Path], with_integration: bool = False) -> list[EarlyRun]:
+def start_selected(with_integration: bool = False) -> list[EarlyRun]:
     """Start every registered run (of the phase `with_integration` says) whose module holds a
-    selected test (`paths`)."""
+    selected test (SELECTED)."""
     started = [run for run in RUNS.values()
-               if run.module in paths and run.with_integration == with_integration]
+               if run.module in SELECTED and run.with_integration == with_integration]
     if with_integration:  # one at a time, in the order of their tests: more at once made the
         started.sort(key=lambda run: run.module)  # suite slower (the cores oversubscribed)
         for before, run in zip(started, started[1:]):

@@ -36,7 +36,7 @@ def runs_with_integration(shared_cache):
     integration test, in the session's cache."""
     from tests import early
 
-    early.start_selected(early.SELECTED, with_integration=True)
+    early.start_selected(with_integration=True)
 
 
 # Logical CPUs of the session's Ray: room for the placements of several shapes (0.5 CPU per

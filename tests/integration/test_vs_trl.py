@@ -30,8 +30,7 @@ SMOKE = early("vs_trl_smoke", __file__, smoke_command,
 
 @pytest.mark.integration
 def test_smoke_preset_runs_every_row():
-    out = SMOKE.result(timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = SMOKE.passed(timeout=600)
     stdout = out.stdout
     rows = {m.group(1): [float(x) for x in m.group(2).split(" | ")[:6]]
             for m in re.finditer(r"^\| (rl-train|rl-train/zero3|trl|raw|rl-train\+ngram) \| "
