@@ -177,10 +177,7 @@ def validate(cfg: Config) -> None:
     if cfg.sync.checksum not in CHECKSUMS:
         raise ConfigError(f"sync.checksum={cfg.sync.checksum!r} is not known; use one of: "
                           f"{', '.join(CHECKSUMS)}")
-    if cfg.rollout.tensor_parallel_size > 1 and cfg.placement != "disaggregated":
-        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: "
-                          f"the {cfg.placement} placement does not run tensor-parallel engines "
-                          f"yet; use placement=disaggregated (or tensor_parallel_size=1)")
+    check_colocated_tp(cfg)
     if cfg.rollout.cpu_linear not in CPU_LINEAR:
         raise ConfigError(f"rollout.cpu_linear={cfg.rollout.cpu_linear!r} is not known; use one "
                           f"of: {', '.join(CPU_LINEAR)}")
@@ -199,6 +196,22 @@ def validate(cfg: Config) -> None:
     if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
         raise ConfigError(f"warmup.noise_offsets={cfg.warmup.noise_offsets}: a near miss needs a "
                           f"non-zero offset, e.g. [1] or [-3, -2, -1, 1, 2, 3]")
+
+
+def check_colocated_tp(cfg: Config) -> None:
+    """Colocated, a TP engine's ranks take the cores of tp workers (rl.run.colocated_worker)."""
+    tp, r = cfg.rollout.tensor_parallel_size, cfg.ray
+    if tp == 1 or cfg.placement != "colocated":
+        return
+    key = f"rollout.tensor_parallel_size={tp}"
+    if r.num_workers % tp:
+        raise ConfigError(f"{key}: colocated, each engine's {tp} TP ranks take the cores of {tp} "
+                          f"workers; ray.num_workers={r.num_workers} is not a multiple of {tp}: "
+                          f"set ray.num_workers to one, or use placement=disaggregated")
+    if r.num_gpus_per_worker:
+        raise ConfigError(f"{key}: colocated TP engines run on CPU (an engine's process sees its "
+                          f"own worker's GPU only); on GPUs use placement=disaggregated with "
+                          f"ray.num_gpus_per_rollout_worker={tp}")
 
 
 def check_pipeline(cfg: Config) -> None:

@@ -149,8 +149,8 @@ def check_tensor_parallel(cfg: Config, num_cpus: int | None = None) -> None:
     if model_type is not None and not DirectLoad.supports(model_type):
         raise ConfigError(f"{key}: syncs into TP engines know the Qwen2 and Llama families, not "
                           f"model_type {model_type!r}; use tensor_parallel_size=1")
-    if not cfg.ray.num_gpus_per_rollout_worker:
-        cores = engine_cores(cfg, num_cpus)
+    if cfg.placement == "disaggregated" and not cfg.ray.num_gpus_per_rollout_worker:
+        cores = engine_cores(cfg, num_cpus)  # colocated: a worker's cores per rank
         if cores < tp:
             raise ConfigError(
                 f"{key} needs a core per TP rank: each of the {cfg.ray.num_rollout_workers} "

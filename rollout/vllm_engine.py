@@ -180,7 +180,10 @@ def eager_mode(cfg: RolloutConfig, model_path: str, device: str) -> bool:
 class VLLMEngine:
     """One `vllm.LLM` with prefix caching; weights are replaced in place after each update."""
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, device: str):
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, device: str,
+                 core_binding: str | None = None):
+        """core_binding: at TP > 1 on CPU, the ranks' cores ("0|1"); default: this process's
+        cores split among the ranks (tp_core_binding)."""
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # in whole GiB, it would override the size given below
@@ -195,7 +198,11 @@ class VLLMEngine:
             tp_kwargs = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp",
                              worker_extension_cls="rollout.tp_worker.TPWorker")
             if device == "cpu":  # what the rank processes start with
-                self.core_binding = tp_core_binding(self.tp_size)
+                self.core_binding = core_binding or tp_core_binding(self.tp_size)
+                if len(self.core_binding.split("|")) != self.tp_size:
+                    raise ValueError(f"core_binding={self.core_binding!r} binds "
+                                     f"{len(self.core_binding.split('|'))} ranks, not "
+                                     f"{self.tp_size}: separate each TP rank's cores by '|'")
                 engine_env = {CPU_LINEAR_ENV: cfg.cpu_linear_mode(),
                               "VLLM_CPU_OMP_THREADS_BIND": self.core_binding}
         from vllm import LLM, envs

@@ -28,48 +28,77 @@ from weight_sync.resharding import TPSpec, shard_for_rank
 
 
 class TPSharedWeights:
-    """Rank r's parameters by vLLM name (aliases included) in `views[r]`, mapped here."""
+    """TP rank r's parameters by vLLM name (aliases included) in `views[r]`, mapped here, for
+    the ranks this process writes (every rank in the engine's process; one rank in each
+    colocated trainer rank beside it)."""
 
-    def __init__(self, spec: TPSpec, layouts: list[EngineLayout], maps: list[mmap.mmap]):
-        self.spec, self.layouts, self._maps = spec, layouts, maps
-        self.views = [layout.views(torch.frombuffer(m, dtype=torch.uint8))
-                      for layout, m in zip(layouts, maps)]
+    def __init__(self, spec: TPSpec, layouts: Mapping[int, EngineLayout],
+                 maps: Mapping[int, mmap.mmap]):
+        self.spec, self.layouts, self._maps = spec, dict(layouts), dict(maps)
+        self.views = {r: layout.views(torch.frombuffer(self._maps[r], dtype=torch.uint8))
+                      for r, layout in self.layouts.items()}
 
     @classmethod
     def create(cls, engine, spec: TPSpec) -> TPSharedWeights:
         """Have every rank of `engine` (a VLLMEngine) move its weights into shared memory, and
         map it. The files are unlinked once mapped: the memory lives while a mapping does."""
+        files = cls.share(engine, spec)
+        try:
+            return cls.open(spec, files)
+        finally:
+            cls.unlink(files)
+
+    @staticmethod
+    def share(engine, spec: TPSpec) -> dict:
+        """Every rank of `engine` moves its weights into a file of its own in shared memory;
+        returns {"paths": [...], "layouts": [encoded EngineLayout, ...]} by TP rank, for `open`
+        in this or another process of the host. The caller unlinks the files (`unlink`) once
+        every process that writes them has opened them."""
         if spec.tp_size != engine.tp_size:
             raise ValueError(f"the TPSpec is for TP {spec.tp_size}, the engine runs TP "
                              f"{engine.tp_size}")
         layouts = [EngineLayout.of_described(params) for params in engine.rank_parameters()]
         tag = uuid.uuid4().hex
         paths = [os.path.join(_shm_dir(), f"rlstack-tp{r}-{tag}") for r in range(spec.tp_size)]
-        sizes = [max(layout.nbytes, 64) for layout in layouts]
-        places = [dict(layout.offsets(), __nbytes__=n) for layout, n in zip(layouts, sizes)]
+        places = [dict(layout.offsets(), __nbytes__=_file_bytes(layout)) for layout in layouts]
+        files = {"paths": paths, "layouts": [layout.encode() for layout in layouts]}
         try:
             engine.share_rank_weights(paths, places)
-            maps = [_map(path, n) for path, n in zip(paths, sizes)]
-        finally:
-            for path in paths:
-                if os.path.exists(path):
-                    os.unlink(path)
-        if None in maps:
-            raise OSError(f"could not map the TP ranks' weights in {_shm_dir()}")
+        except BaseException:
+            TPSharedWeights.unlink(files)
+            raise
+        return files
+
+    @classmethod
+    def open(cls, spec: TPSpec, files: dict, ranks: Iterable[int] | None = None
+             ) -> TPSharedWeights:
+        """Map the files `share` made, for `ranks` (default: all)."""
+        ranks = range(spec.tp_size) if ranks is None else ranks
+        layouts = {r: EngineLayout.decode(files["layouts"][r]) for r in ranks}
+        maps = {r: _map(files["paths"][r], _file_bytes(layout)) for r, layout in layouts.items()}
+        if None in maps.values():
+            raise OSError(f"could not map the TP ranks' weights in {_shm_dir()} (is every "
+                          f"writer on the engine's host?)")
         return cls(spec, layouts, maps)
+
+    @staticmethod
+    def unlink(files: dict) -> None:
+        for path in files["paths"]:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]],
               aliases: Mapping[str, str] | None = None, ranks: Iterable[int] | None = None
-              ) -> list[int]:
-        """Write each (HF name, full tensor) as every rank's slice (`ranks`: only those, e.g. a
-        rank's own writer); `aliases`: extra engine name -> HF name (a tied head sent once).
-        Returns the elements written per rank; each rank is placed as `DirectLoad` places one
-        engine (a tied head once), and every parameter must be covered (the vocab's padding
-        rows excepted), else DirectLoadError, before the engine reads."""
-        ranks = list(range(self.spec.tp_size)) if ranks is None else list(ranks)
+              ) -> dict[int, int]:
+        """Write each (HF name, full tensor) as every held rank's slice (`ranks`: only those);
+        `aliases`: extra engine name -> HF name (a tied head sent once). Returns the bytes
+        written per rank; each rank is placed as `DirectLoad` places one engine (a tied head
+        once), and every parameter must be covered (the vocab's padding rows excepted), else
+        DirectLoadError, before the engine reads."""
+        ranks = list(self.views) if ranks is None else list(ranks)
         loads = {r: DirectLoad(self.views[r], self.spec, tp_rank=r) for r in ranks}
         filled = {r: {} for r in ranks}
-        written = [0] * self.spec.tp_size
+        written = dict.fromkeys(ranks, 0)
         with torch.no_grad():
             for name, full in weights:
                 for target_name in names_for(name, dict(aliases or {})):
@@ -78,4 +107,9 @@ class TPSharedWeights:
                         written[r] += loads[r].place(target_name, piece, filled[r])
         for r in ranks:
             loads[r].check_complete(filled[r])
+            written[r] *= next(iter(self.views[r].values())).element_size()  # one engine dtype
         return written
+
+
+def _file_bytes(layout: EngineLayout) -> int:
+    return max(layout.nbytes, 64)

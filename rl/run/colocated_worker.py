@@ -15,16 +15,47 @@ from rl.run.trainer_worker import TrainerRole
 
 
 class ColocatedWorker(TrainerRole, RolloutRole):
-    """One trainer rank and one rollout engine in one process, taking turns."""
+    """One trainer rank and one rollout engine in one process, taking turns.
+
+    At rollout.tensor_parallel_size = t > 1 an engine spans t workers: workers [k t, (k+1) t)
+    share engine k, which lives in worker k t, its TP rank r bound to the cores of worker
+    k t + r; at each sync, the trainer rank of worker k t + r writes TP rank r's slice of every
+    tensor into that rank's memory (weight_sync.tp_shared), and no rank writes the whole model.
+    """
 
     # the engines' weights in shared memory, written in place by the trainer ranks
-    # (weight_sync.shared_weights); None: not decided yet, False: not possible here
+    # (weight_sync.shared_weights, or weight_sync.tp_shared at TP > 1); None: not decided yet,
+    # False: not possible here
     shared_weights = None
+    tp_size, tp_rank = 1, 0  # the engine's TP size; this worker's TP rank (0: holds the engine)
 
-    def init_rollout(self, *args, **kwargs) -> str:
-        mode = super().init_rollout(*args, **kwargs)
+    def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0) -> str | None:
+        """As RolloutRole's; None from a worker that holds no engine (TP rank > 0)."""
+        self.tp_size = cfg.tensor_parallel_size
+        self.tp_rank = self.rank % self.tp_size
         self.shared_weights = None  # a new engine: decided again on the next sync
-        return mode
+        if self.tp_rank:
+            self.close_engine()
+            self.policy_version, self.direct_load = version, True  # writes its rank's slices
+            return None
+        return super().init_rollout(model_path, cfg, seed, version)
+
+    def tp_cores(self, tp_size: int) -> str | None:
+        """The cores of workers rank .. rank + tp_size - 1, a TP rank's each ("0|1")."""
+        from rl.run.role import cpu_binding
+
+        if self.cpu_cores is None:  # a GPU worker
+            return None
+        first, count = self.cpu_cores
+        runs = [cpu_binding(r, self.world_size, count, first)
+                for r in range(self.rank, self.rank + tp_size)]
+        return "|".join(a if a == b else f"{a}-{b}" for a, b in (r.split("-") for r in runs))
+
+    def _place_weights_directly(self) -> None:
+        if self.engine.tp_size > 1:  # the trainer ranks write the ranks' slices (_share_tp)
+            self.direct_load = True
+            return
+        super()._place_weights_directly()
 
     def free_models(self) -> None:
         self.shared_weights = None
@@ -40,25 +71,30 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
         from weight_sync.verify import check_logprobs, probe_tolerance
 
-        tolerance = probe_tolerance(self.trainer.cfg.dtype, self.engine.dtype, tolerance)
+        if self.engine is not None:
+            tolerance = probe_tolerance(self.trainer.cfg.dtype, self.engine.dtype, tolerance)
 
         t0 = time.perf_counter()
         self.policy_version = None
         if self.shared_weights is None:
             self.shared_weights = self._share_engine_weights()
-        if self.shared_weights:
+        if self.tp_size > 1:
+            stats = self._write_tp_slices(version, bucket_bytes)
+        elif self.shared_weights:
             stats = self._write_shared_weights()
         else:
             stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
         with self.spans.span("verification"):
-            checked = self.check_shared_exact() if exact and self.shared_weights else 0
+            exact = exact and self.shared_weights and self.tp_size == 1
+            checked = self.check_shared_exact() if exact else 0
             t_exact = time.perf_counter() - t0 - seconds
             trainer_lps = self.trainer.sequence_logprobs(probe)
             t1 = time.perf_counter()
-            engine_lps = self.engine.prompt_logprobs(probe)
+            engine_lps = self.engine.prompt_logprobs(probe) if self.engine else None
             t2 = time.perf_counter()
-        diff = check_logprobs(trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
+        diff = 0.0 if engine_lps is None else check_logprobs(
+            trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
         self.policy_version = version
         return {"sync/seconds": seconds, "sync/exact_seconds": t_exact,
                 "sync/exact_ranges": float(checked),
@@ -92,6 +128,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         from weight_sync.resharding import TPSpec
         from weight_sync.shared_weights import SharedWeights
 
+        if self.tp_size > 1:
+            return self._share_tp_weights()
         if not self.direct_load or self.device != "cpu":
             return False
         spec = TPSpec.from_hf_config(self.engine.hf_config, tp_size=1)
@@ -116,6 +154,65 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         stats.bytes = sum(full_numel(p) * p.element_size() for p in module.parameters())
         return stats
 
+    def _share_tp_weights(self):
+        """Collective: each TP engine's ranks move their weights into shared memory, and the
+        trainer rank of worker k t + r maps TP rank r's (weight_sync.tp_shared)."""
+        import torch
+        import torch.distributed as dist
+
+        from weight_sync.resharding import TPSpec
+        from weight_sync.tp_shared import TPSharedWeights
+
+        files = None
+        if self.engine is not None:
+            spec = TPSpec.from_hf_config(self.engine.hf_config, self.tp_size)
+            files = dict(TPSharedWeights.share(self.engine, spec), spec=spec)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, files)
+        engines = everyone[self.rank - self.tp_rank]
+        shared, error = None, None
+        try:
+            shared = TPSharedWeights.open(engines["spec"], engines, ranks=[self.tp_rank])
+        except OSError as e:
+            error = e
+        mapped = torch.tensor([int(shared is not None)])
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # also: every writer has opened its file
+        if files is not None:
+            TPSharedWeights.unlink(files)
+        if not int(mapped):
+            raise RuntimeError(f"colocated TP engines need their trainer ranks on the engine's "
+                               f"host, mapping its /dev/shm ({error or 'another rank failed'}); "
+                               f"use placement=disaggregated")
+        return shared
+
+    def _write_tp_slices(self, version: int, bucket_bytes: int):
+        """Every trainer rank writes its TP rank's slice of each full tensor (assembled bucket by
+        bucket in shared memory, or gathered by DeepSpeed) into that rank's memory; then the
+        engine's ranks re-pack. stats.bytes: the bytes this rank wrote."""
+        import time
+
+        import torch.distributed as dist
+
+        from weight_sync.transport import LocalTransport
+
+        transport = LocalTransport(bucket_bytes, self.shared_slots)
+        transport.send(self.trainer.module, version)
+        written = {}
+        stats = transport.receive(lambda weights: written.update(self.write_slices(weights)),
+                                  version)
+        self.shared_slots = transport.shared
+        t0 = time.perf_counter()
+        dist.barrier()  # every TP rank's slice is in place
+        if self.engine is not None:
+            self.engine.weights_changed()
+        stats.add_time("repack", time.perf_counter() - t0)
+        stats.bytes = sum(written.values())
+        return stats
+
+    def write_slices(self, weights) -> dict[int, int]:
+        """Write this worker's TP rank's slice of each (name, full tensor); {rank: bytes}."""
+        return self.shared_weights.write(weights)
+
     def _load_buckets(self, version: int, bucket_bytes: int):
         from weight_sync.transport import LocalTransport
 
@@ -125,6 +222,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         self.shared_slots = transport.shared
         return stats
 
-    def probe(self, probe: list[int]) -> tuple[list[float], list[float]]:
-        """(trainer, engine) logprobs of the probe, without syncing first (for tests)."""
-        return self.trainer.sequence_logprobs(probe), self.engine.prompt_logprobs(probe)
+    def probe(self, probe: list[int]) -> tuple[list[float], list[float] | None]:
+        """(trainer, engine) logprobs of the probe, without syncing first (engine None: this
+        worker holds no engine, TP rank > 0); collective."""
+        return (self.trainer.sequence_logprobs(probe),
+                self.engine.prompt_logprobs(probe) if self.engine else None)

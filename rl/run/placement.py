@@ -144,7 +144,8 @@ class Placement:
         """The engines, built (from the calls start_rollout began, or now)."""
         import ray
 
-        modes = ray.get(started or self.start_rollout(model_path, version))
+        # None: a colocated worker that holds no engine (a TP engine's rank > 0)
+        modes = [m for m in ray.get(started or self.start_rollout(model_path, version)) if m]
         if self.engine_mode != modes[0]:  # said once per placement (checkpoint restores rebuild)
             self.engine_mode = modes[0]
             print(f"rollout engines: {len(modes)} x vLLM, model {modes[0]} (rollout.enforce_eager="
@@ -202,7 +203,9 @@ class Placement:
 
 
 class Colocated(Placement):
-    """N actors, each one trainer rank + one engine; weights move by in-process copy."""
+    """N actors, each one trainer rank + one engine; weights move by in-process copy. At
+    rollout.tensor_parallel_size t > 1 an engine spans t actors and lives in the first
+    (rl.run.colocated_worker): N / t engines."""
 
     def __init__(self, cfg: Config):
         from rl.run.colocated_worker import ColocatedWorker
@@ -212,11 +215,21 @@ class Colocated(Placement):
         self.pg = _reserve(bundles(cfg), f"{r.num_workers} colocated workers")
         self.trainers = _spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
                                r.num_gpus_per_worker)
-        self.engines = self.trainers
+        self.engines = self.trainers[::cfg.rollout.tensor_parallel_size]
         _join_trainers(self.trainers)
 
+    def rebind(self, cfg: Config) -> None:
+        super().rebind(cfg)
+        self.engines = self.trainers[::cfg.rollout.tensor_parallel_size]
+
+    def start_rollout(self, model_path: str, version: int) -> list:
+        # every worker: those beside a TP engine's ranks > 0 learn which engine they write
+        return [w.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
+                for w in self.trainers]
+
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
-        return get_all([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
+        pairs = get_all([w.probe.remote(probe) for w in self.trainers])  # a collective (ZeRO-3)
+        return [pair for pair in pairs if pair[1] is not None]
 
     def sync(self, version: int, probe: list[int]) -> dict:
         tolerance = self.sync_tolerance()

@@ -40,6 +40,8 @@ def release_free_memory() -> None:
 class Role:
     """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
 
+    cpu_cores: tuple[int, int] | None = None  # on CPU: (first, count) of the cores of the ranks
+
     def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
         """cores: (first, count) of the machine's cores this role's ranks share (a
         disaggregated run whose roles work at the same time); None: all of them."""
@@ -48,6 +50,7 @@ class Role:
         self.rank, self.world_size = rank, world_size
         if not torch.cuda.is_available():
             first_core, num_cpus = cores or (0, os.cpu_count() or 1)
+            self.cpu_cores = (first_core, num_cpus)  # the cores this role's ranks share
             threads = max(1, num_cpus // world_size)
             # vLLM makes torch.set_num_threads a no-op once it binds threads: set them first.
             torch.set_num_threads(threads)

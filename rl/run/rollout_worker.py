@@ -32,10 +32,16 @@ class RolloutRole(Role):
         # let the old one go before the new one sets that state up
         self.close_engine()
         gc.collect()
-        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device)
+        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device,
+                                 core_binding=self.tp_cores(cfg.tensor_parallel_size))
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
+
+    def tp_cores(self, tp_size: int) -> str | None:
+        """The cores of a TP engine's ranks on CPU, "0|1" (None: this actor's own cores split
+        among them)."""
+        return None
 
     def close_engine(self) -> None:
         """Stop the generation loop and shut the engine down (keeping a colocated trainer's

@@ -74,14 +74,15 @@ def engines_main(out_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
     spec = TPSpec.from_hf_config(model.config, tp_size=2)
     shared = TPSharedWeights.create(tp2, spec)
-    result["bytes_per_rank"] = [sum(m.nbytes for m in layout.tensors)
-                                for layout in shared.layouts]
+    result["bytes_per_rank"] = [sum(m.nbytes for m in shared.layouts[r].tensors)
+                                for r in range(2)]
     result["tp1_bytes"] = sum(m.nbytes for m in EngineLayout.of(tp1.parameters()).tensors)
 
     state = perturbed(model, seed=1)
     aliases = tied_head_alias(model)
     tp1.load_weights(state.items())
-    result["written"] = shared.write(state.items(), aliases)
+    written = shared.write(state.items(), aliases)
+    result["written"] = [written[r] for r in range(2)]
     tp2.weights_changed()
     after = [observe(tp1), observe(tp2)]
     result["after"] = after
@@ -139,30 +140,51 @@ def _sync_misses_rank_1(self) -> None:
     self.engine.set_weight_placer(lambda weights: write(weights, ranks=[0]))
 
 
-def run_main(out_dir: str) -> None:
-    """A disaggregated run on one TP 2 engine (Ray of its own): 2 steps, then a fault in the
-    engine's actor and a third step, which must stop at its sync."""
+def _read_only(weights) -> dict:
+    for _ in weights:  # every bucket, as each trainer rank must (each ends in a barrier)
+        pass
+    return {}
+
+
+def _writes_no_slice(self) -> None:
+    """In colocated worker 1: its syncs write nothing into TP rank 1 (a fault)."""
+    self.write_slices = _read_only
+
+
+def _engine_cores(self) -> list:
+    """In colocated worker 0: the binding its TP engine was given, each rank's CPU affinity."""
+    affinity = self.engine.llm.collective_rpc(
+        lambda worker: sorted(__import__("os").sched_getaffinity(0)))
+    return [self.engine.core_binding, affinity]
+
+
+def _model_bytes(self) -> int:
+    """In a trainer: the bytes of its whole model (all ranks' shards together)."""
+    from weight_sync.buckets import full_numel
+
+    return sum(full_numel(p) * p.element_size() for p in self.trainer.module.parameters())
+
+
+def _steps_then_fault(cfg, fault, target: str) -> dict:
+    """2 steps of a run, then `fault` in the `target` actor and a third step, which must stop
+    at its sync (SyncVerificationError)."""
     import ray
 
-    from rl.config import load_config
-    from rl.run.cluster import start_ray
     from rl.run.controller import Controller
     from weight_sync.verify import SyncVerificationError
 
-    cfg = load_config(str(Path(__file__).parents[2] / "recipes" / "quickstart_disaggregated.yaml"),
-                      ["rollout.tensor_parallel_size=2", "ray.num_workers=1",
-                       "ray.num_rollout_workers=1", "ray.num_cpus_per_worker=0.5",
-                       "ray.num_cpus_per_rollout_worker=0.5", "rollout.prompts_per_step=8",
-                       "rollout.n=4", "trainer.micro_batch_size=8", "warmup.sft_steps=30",
-                       "warmup.batch_size=32", "data.eval_fraction=0", "trainer.eval_every=0",
-                       f"run.output_dir={out_dir}"])
-    start_ray(cfg)
     c = Controller(cfg)
     c.setup()
     result = {}
     try:
         result["metrics"] = [c.step(k) for k in (1, 2)]
-        ray.get(c.placement.engines[0].__ray_call__.remote(_sync_misses_rank_1))
+        if cfg.placement == "colocated":
+            result["cores"] = ray.get(c.placement.trainers[0].__ray_call__.remote(_engine_cores))
+            result["engines"] = len(c.placement.engines)
+            result["model_bytes"] = ray.get(c.placement.trainers[0].__ray_call__.remote(
+                _model_bytes))
+        actor = eval(f"c.placement.{target}")  # noqa: S307 (a fixed expression of this module)
+        ray.get(actor.__ray_call__.remote(fault))
         try:
             c.step(3)
             result["stopped"] = None
@@ -170,6 +192,32 @@ def run_main(out_dir: str) -> None:
             result["stopped"] = str(e)
     finally:
         c.shutdown()
+    return result
+
+
+def run_main(out_dir: str) -> None:
+    """Runs on TP 2 engines (one Ray for both): disaggregated (one engine's actor, one trainer),
+    then colocated (2 workers, one engine over both); each stops at a sync that missed a rank."""
+    import ray
+
+    from rl.config import load_config
+    from rl.run.cluster import start_ray
+
+    recipes = Path(__file__).parents[2] / "recipes"
+    small = ["rollout.tensor_parallel_size=2", "rollout.prompts_per_step=8", "rollout.n=4",
+             "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32",
+             "data.eval_fraction=0", "trainer.eval_every=0"]
+    disaggregated = load_config(str(recipes / "quickstart_disaggregated.yaml"), [
+        *small, "ray.num_workers=1", "ray.num_rollout_workers=1", "ray.num_cpus_per_worker=0.5",
+        "ray.num_cpus_per_rollout_worker=0.5", f"run.output_dir={out_dir}/disaggregated"])
+    colocated = load_config(str(recipes / "quickstart.yaml"), [
+        *small, "ray.num_workers=2", f"run.output_dir={out_dir}/colocated"])
+    start_ray(disaggregated)
+    try:
+        result = {"disaggregated": _steps_then_fault(disaggregated, _sync_misses_rank_1,
+                                                     "engines[0]"),
+                  "colocated": _steps_then_fault(colocated, _writes_no_slice, "trainers[1]")}
+    finally:
         ray.shutdown()
     (Path(out_dir) / "run.json").write_text(json.dumps(result))
 
@@ -181,13 +229,15 @@ RUN = early("tensor_parallel_run", __file__, lambda tmp: [
 
 
 @pytest.fixture(scope="module")
-def run():
+def runs():
     RUN.passed(timeout=600)
     return json.loads((RUN.dir / "run.json").read_text())
 
 
 @pytest.mark.integration
-def test_a_disaggregated_run_on_a_tp2_engine_checks_every_sync(run):
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_a_run_on_a_tp2_engine_checks_every_sync(runs, placement):
+    run = runs[placement]
     assert [m["step"] for m in run["metrics"]] == [1, 2]
     for m in run["metrics"]:
         assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"] == 1e-3
@@ -195,8 +245,23 @@ def test_a_disaggregated_run_on_a_tp2_engine_checks_every_sync(run):
 
 
 @pytest.mark.integration
-def test_a_sync_that_missed_a_tp_rank_stops_the_run(run):
-    assert run["stopped"] is not None and "rollout engine 0" in run["stopped"], run["stopped"]
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_a_sync_that_missed_a_tp_rank_stops_the_run(runs, placement):
+    stopped = runs[placement]["stopped"]
+    where = "rollout engine 0" if placement == "disaggregated" else "rank 0"
+    assert stopped is not None and where in stopped, stopped
+
+
+@pytest.mark.integration
+def test_colocated_one_engine_spans_both_workers_each_writing_its_rank(runs):
+    run = runs["colocated"]
+    assert run["engines"] == 1
+    binding, affinity = run["cores"]
+    assert binding == "0|1" and affinity == [[0], [1]]  # TP rank r on worker r's core
+    # each trainer rank wrote its TP rank's slice: about half the model's bytes, not all
+    for m in run["metrics"]:
+        assert m["sync/shared_weights"] == 1.0 and m["sync/exact_ranges"] == 0.0
+        assert 0.45 * run["model_bytes"] <= m["sync/bytes"] <= 0.55 * run["model_bytes"]
 
 
 if __name__ == "__main__":

@@ -51,9 +51,12 @@ def data(tmp_path):
 
 CONFIG_CASES = {
     "unknown key": (["rollout.temprature=1.0"], ["rollout.temprature", "temperature"]),
-    "tensor-parallel engines colocated": (["rollout.tensor_parallel_size=2"],
-                                          ["rollout.tensor_parallel_size=2",
-                                           "placement=disaggregated"]),
+    "colocated TP ranks over a part of a worker": (
+        ["rollout.tensor_parallel_size=2", "ray.num_workers=3", "rollout.prompts_per_step=24"],
+        ["rollout.tensor_parallel_size=2", "ray.num_workers=3", "multiple of 2"]),
+    "colocated TP engines on GPUs": (
+        ["rollout.tensor_parallel_size=2", "ray.num_gpus_per_worker=1"],
+        ["rollout.tensor_parallel_size=2", "placement=disaggregated"]),
     "wrong type": (["rollout.n=many"], ["rollout.n", "many"]),
     "override without =": (["rollout.n"], ["key=value"]),
     "unknown advantage": (["algorithm.advantage=grpp"], ["algorithm.advantage", "grpo"]),
