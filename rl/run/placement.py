@@ -148,7 +148,9 @@ class Placement:
         modes = [m for m in ray.get(started or self.start_rollout(model_path, version)) if m]
         if self.engine_mode != modes[0]:  # said once per placement (checkpoint restores rebuild)
             self.engine_mode = modes[0]
-            print(f"rollout engines: {len(modes)} x vLLM, model {modes[0]} (rollout.enforce_eager="
+            tp = self.cfg.rollout.tensor_parallel_size
+            print(f"rollout engines: {len(modes)} x vLLM{f' at TP {tp}' if tp > 1 else ''}, "
+                  f"model {modes[0]} (rollout.enforce_eager="
                   f"{self.cfg.rollout.enforce_eager})", flush=True)
 
     engine_mode: str | None = None  # "compiled" or "eager", once the engines are built

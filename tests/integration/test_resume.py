@@ -25,8 +25,10 @@ pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 ROOT = Path(__file__).parents[2]
 # PPO (a critic: its weights and optimizer, GAE; the reference model) with DAPO's dynamic
 # sampling (several rollout rounds per step: the data position moves by more than a batch), 6
-# steps, a checkpoint every 2, every logger.
-ARGS = ["recipes/ppo.yaml", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
+# steps, a checkpoint every 2, every logger; one tensor-parallel engine over both workers (its
+# ranks restarted with the placement and restored by a checked sync, as TP 1 engines are).
+ARGS = ["recipes/ppo.yaml", "rollout.tensor_parallel_size=2",
+        "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
         "trainer.total_steps=6", "trainer.checkpoint_every=2", "warmup.sft_steps=4",
         "rollout.prompts_per_step=8", "trainer.micro_batch_size=8", "reward.timeout_s=300",
         "run.loggers=[jsonl,tensorboard,wandb]",
@@ -157,7 +159,7 @@ def runs(tmp: Path) -> None:
     with ThreadPoolExecutor(1) as pool:
         whole = pool.submit(rl_train, tmp, "whole", "run.loggers=[jsonl]")
         hurt_and_resume(tmp)
-        whole.result()
+        (tmp / "whole.out").write_text(whole.result().stdout)
 
 
 RUNS = early("resume", __file__, with_integration=True, command=lambda tmp: [
@@ -170,6 +172,7 @@ def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact():
     critic's loss and values too), and metrics.jsonl, rollouts.jsonl, TensorBoard and W&B hold
     each step once."""
     RUNS.passed()
+    assert "rollout engines: 1 x vLLM at TP 2" in (RUNS.dir / "whole.out").read_text()
     whole = lines(RUNS.dir / "whole")
     assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
     assert max(m["dynamic/rounds"] for m in whole) > 1, whole  # it did sample again
