@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/quickstart_seeds.py                    # seeds 0,1,2, fresh caches
     .venv/bin/python benchmarks/quickstart_seeds.py --runs DIR DIR DIR  # figures of finished runs
+    .venv/bin/python benchmarks/quickstart_seeds.py --against rollout.tensor_parallel_size=2
+        # each seed as shipped, then again with the overrides on the same warm-up (its cache
+        # kept): both tables, and the difference of their means of steps 101-300
 
 Each seed runs `rl-train recipes/quickstart.yaml run.seed=S` in a fresh process with an empty
 cache (so the model build and the warm-up are timed too), one seed after the other. Printed per
@@ -24,15 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PICTURE = ROOT / "docs" / "quickstart_seeds.png"
 
 
-def run_seed(seed: int, out: Path) -> tuple[Path, float]:
+def run_seed(seed: int, out: Path, overrides: tuple[str, ...] = (), tag: str = ""
+             ) -> tuple[Path, float]:
+    """The quickstart on `seed`; from an empty cache unless `overrides` (a second run of the
+    seed, on the first one's warm-up)."""
     cache = out / f"cache_s{seed}"
-    subprocess.run(["rm", "-rf", str(cache)], check=True)
+    if not overrides:
+        subprocess.run(["rm", "-rf", str(cache)], check=True)
     exe = Path(sys.executable).with_name("rl-train")
     t0 = time.perf_counter()
     subprocess.run([str(exe), "recipes/quickstart.yaml", f"run.seed={seed}",
-                    f"run.output_dir={out}", f"run.name=seed{seed}"], check=True, cwd=ROOT,
-                   env=dict(os.environ, RL_CACHE_DIR=str(cache)), stdout=sys.stderr)
-    return out / f"seed{seed}", time.perf_counter() - t0
+                    f"run.output_dir={out}", f"run.name=seed{seed}{tag}", *overrides], check=True,
+                   cwd=ROOT, env=dict(os.environ, RL_CACHE_DIR=str(cache)), stdout=sys.stderr)
+    return out / f"seed{seed}{tag}", time.perf_counter() - t0
 
 
 def figures(run_dir: Path) -> dict:
@@ -90,16 +97,37 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--runs", nargs="*", help="finished run directories: only figures and plot")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "quickstart_seeds"))
+    p.add_argument("--against", nargs="+", metavar="KEY=VALUE",
+                   help="run each seed again with these overrides, on the same warm-up")
     args = p.parse_args()
     walls: dict = {}
     if args.runs:
-        runs = [Path(r) for r in args.runs]
+        runs, again = [Path(r) for r in args.runs], []
     else:
-        runs = []
+        runs, again = [], []
         for seed in map(int, args.seeds.split(",")):
             run_dir, walls[seed] = run_seed(seed, Path(args.out))
             runs.append(run_dir)
+            if args.against:
+                run_dir, walls[seed, "against"] = run_seed(seed, Path(args.out),
+                                                           tuple(args.against), "-against")
+                again.append(run_dir)
     results = [figures(r) for r in runs]
+    table(results, walls)
+    if again:
+        print(f"\nthe same seeds with {' '.join(args.against)}:")
+        others = [figures(r) for r in again]
+        table(others, {k[0]: v for k, v in walls.items() if isinstance(k, tuple)})
+        mean = sum(r["reward_101_300"] for r in results) / len(results)
+        other = sum(r["reward_101_300"] for r in others) / len(others)
+        print(f"\nmean of steps 101-300 over the seeds: {mean:.3f} as shipped, {other:.3f} with "
+              f"{' '.join(args.against)} (difference {other - mean:+.3f})")
+        return
+    plot(results)
+    print(f"\nwrote {PICTURE}")
+
+
+def table(results: list[dict], walls: dict) -> None:
     print("| seed | held-out greedy acc., step 0 | at the end | reward/mean step 1 | "
           "last 10 steps | mean of steps 101-300 | s/step (median) | wall time |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -108,8 +136,6 @@ def main() -> None:
         print(f"| {r['seed']} | {r['eval_first']:.3f} | {r['eval_last']:.3f} | "
               f"{r['reward_step1']:.3f} | {r['reward_last10']:.3f} | {r['reward_101_300']:.3f} | "
               f"{r['seconds_per_step']:.3f} | {wall} |")
-    plot(results)
-    print(f"\nwrote {PICTURE}")
 
 
 if __name__ == "__main__":

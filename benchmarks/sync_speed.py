@@ -1,7 +1,7 @@
 """Weight-sync speed in both placements, against the physical limits measured in the same run.
 
     .venv/bin/python benchmarks/sync_speed.py [--model builtin:bench-100m] [--bucket-mb 32]
-                                               [--steps 20]
+                                               [--steps 20] [--tp 2]
 
 1. Sync seconds of a ~100M-parameter model (fp32, ~400 MB), trainer (2 ZeRO-3 ranks) -> engines:
    colocated:     the engines' weights live once in shared memory and each trainer rank writes
@@ -18,6 +18,11 @@
    rollout.cpu_linear=packed); and the sync's own phases (write, gather, checksum, wire, load).
    The engines keep plain CPU linears here (--cpu-linear plain): the transfer alone. With the
    default (repack) each engine also re-packs its linears for oneDNN after the write.
+   --tp N: each placement at TP 1 and TP N, with one engine (colocated: N workers hold it,
+   trainer rank r writes TP rank r's slice; disaggregated: one rollout engine, whose actor
+   receives the buckets and writes each rank's slice), against the same limits as TP 1 (the
+   model's bytes: memcpy, a bare broadcast); printed beside: the bytes written into each TP
+   rank against TP 1's (target <= 0.55x) and sync / limit (target <= 2x).
 2. The quickstart's step time breakdown (rollout, reward, update, sync) in both placements, the
    mean over --steps steps after the first (warm-up cached after the first run).
 """
@@ -41,7 +46,7 @@ def phases(metrics: dict) -> str:
 
 
 def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear: str,
-               dtype: str) -> dict:
+               dtype: str, tp: int = 1, one_engine: bool = False) -> dict:
     import probes
     import ray
 
@@ -53,7 +58,10 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
     cfg = load_config(None, [f"placement={kind}", f"model.path={model}", f"sync.bucket_mb={bucket_mb}",
                              "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5",
                              "rollout.max_model_len=256", f"rollout.cpu_linear={cpu_linear}",
-                             f"trainer.dtype={dtype}", f"rollout.dtype={dtype}"]
+                             f"trainer.dtype={dtype}", f"rollout.dtype={dtype}",
+                             f"rollout.tensor_parallel_size={tp}"]
+                     + ([f"ray.num_workers={tp}"] if one_engine and kind == "colocated" else [])
+                     + (["ray.num_rollout_workers=1"] if one_engine else [])
                      # bf16: the tolerance is calibrated on the base model, as a run does
                      + (["sync.tolerance=1e-2"] if dtype == "float32" else []))
     from rl.data.models import resolve_model_path
@@ -81,7 +89,8 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
         # the two ends' own floors: a bare ZeRO-3 gather, a bare engine reload from memory
         gather = max(ray.get([t.call.remote(probes.measure_gather, int(bucket_mb * 2**20))
                               for t in placement.trainers]))
-        reload = max(ray.get([e.call.remote(probes.measure_reload, path) for e in placement.engines]))
+        reload = math.nan if tp > 1 else max(ray.get(  # (the reload runs at TP 1 only)
+            [e.call.remote(probes.measure_reload, path) for e in placement.engines]))
         best = min(times)
         probe_s = [m.get("sync/probe_trainer_seconds", math.nan)
                    + m.get("sync/probe_engine_seconds", 0)
@@ -89,6 +98,7 @@ def bench_sync(kind: str, model: str, bucket_mb: float, repeats: int, cpu_linear
         return {"exact_s": statistics.median(m["sync/exact_seconds"] for m in runs),
                 "exact_ranges": int(first["sync/exact_ranges"]),
                 "probe_s": statistics.median(probe_s), "placement": kind, "bytes": nbytes,
+                "tp": tp, "rank_bytes": int(first["sync/bytes_per_tp_rank"]),
                 "buckets": int(first["sync/num_buckets"]),
                 "sync_s": best, "sync_s_median": statistics.median(times), "limit_s": limit,
                 "limit": what, "GBps_limit": nbytes / limit / 1e9, "ratio": best / limit,
@@ -114,6 +124,29 @@ def bench_steps(kind: str, steps: int, out_dir: str) -> dict:
     return {"placement": kind, **{k: statistics.mean(m[k] for m in lines) for k in keys}}
 
 
+def bench_tp(args) -> None:
+    """Each placement with one engine at TP 1 and at TP args.tp: bytes per TP rank, sync / limit."""
+    rows = []
+    for kind in ("colocated", "disaggregated"):
+        for tp in (1, args.tp):
+            t0 = time.perf_counter()
+            rows.append(bench_sync(kind, args.model, args.bucket_mb, args.repeats,
+                                   args.cpu_linear, args.dtype, tp=tp, one_engine=True))
+            print(f"[{kind} TP {tp}] measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\nweight sync into one engine at TP 1 and TP {args.tp}, {args.model}, "
+          f"{rows[0]['bytes'] / 2**20:.0f} MiB, buckets of {args.bucket_mb:g} MiB (best of "
+          f"{args.repeats}); targets: bytes per TP rank <= 0.55x TP 1's, sync / limit <= 2")
+    print(f"{'placement':<14}{'TP':>3}{'MiB/rank':>10}{'vs TP 1':>9}{'sync s':>9}{'limit s':>9}"
+          f"  {'limit':<16}{'sync/limit':>11}{'probe Δ':>10}")
+    for i, r in enumerate(rows):
+        tp1 = rows[i - i % 2]
+        print(f"{r['placement']:<14}{r['tp']:>3}{r['rank_bytes'] / 2**20:>10.1f}"
+              f"{r['rank_bytes'] / tp1['rank_bytes']:>9.2f}{r['sync_s']:>9.3f}{r['limit_s']:>9.3f}"
+              f"  {r['limit']:<16}{r['ratio']:>11.2f}{r['probe_diff']:>10.1e}")
+    for r in rows:
+        print(f"  {r['placement']} TP {r['tp']} phases (best sync): {r['phases']}")
+
+
 def main() -> None:
     from rl.schema import SyncConfig
 
@@ -128,6 +161,8 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/rlstack-bench")
     p.add_argument("--cpu-linear", default="plain",
                    help="the engines' rollout.cpu_linear (plain: the transfer alone)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="also sync into one engine at this tensor-parallel size, beside TP 1")
     args = p.parse_args()
     import ray
 
@@ -136,6 +171,10 @@ def main() -> None:
 
     start_ray(load_config(None, ["placement=disaggregated", "ray.num_cpus_per_worker=0.5",
                                  "ray.num_cpus_per_rollout_worker=0.5"]))
+    if args.tp > 1:
+        bench_tp(args)
+        ray.shutdown()
+        return
     rows = []
     for kind in ("colocated", "disaggregated"):
         t0 = time.perf_counter()

@@ -100,6 +100,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
                 "sync/exact_ranges": float(checked),
                 "sync/probe_trainer_seconds": t1 - seconds - t_exact - t0,
                 "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
+                "sync/bytes_per_tp_rank": stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
                 "sync/direct_load": float(self.direct_load),

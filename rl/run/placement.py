@@ -347,6 +347,7 @@ class Disaggregated(Placement):
         if self.streaming:  # checked: generation goes on under the new version
             ray.get([e.resume_stream.remote() for e in self.engines])
         return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
+                "sync/bytes_per_tp_rank": max(r["sync/bytes_per_tp_rank"] for r in received),
                 "sync/num_buckets": sent["sync/num_buckets"],
                 "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
                 "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,

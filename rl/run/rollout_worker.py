@@ -18,6 +18,8 @@ class RolloutRole(Role):
     packed = None  # (layout digest, flat buffer) once the parameters live in one buffer
     stream = None  # rollout.stream.GenerationLoop in the asynchronous pipeline modes
     interruptible = True
+    tp_shared = None  # at TP > 1: the ranks' weights (weight_sync.tp_shared), written by syncs
+    tp_bytes = 0  # the most bytes the last sync wrote into one TP rank
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
@@ -68,9 +70,13 @@ class RolloutRole(Role):
         if self.engine.tp_size > 1:  # each rank's slice into its shared weights
             from weight_sync.tp_shared import TPSharedWeights
 
-            shared = TPSharedWeights.create(
+            self.tp_shared = TPSharedWeights.create(
                 self.engine, TPSpec.from_hf_config(config, self.engine.tp_size))
-            self.engine.set_weight_placer(shared.write)
+
+            def place(weights):
+                self.tp_bytes = max(self.tp_shared.write(weights).values())
+
+            self.engine.set_weight_placer(place)
             self.direct_load = True
         elif self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
             spec = TPSpec.from_hf_config(config, tp_size=1)
@@ -194,7 +200,9 @@ class RolloutRole(Role):
             packed=self.packed)
         self.engine.weights_changed()  # in-place buckets bypass load_weights
         self.policy_version = version
+        per_rank = self.tp_bytes if self.engine.tp_size > 1 else stats.bytes
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
+                "sync/bytes_per_tp_rank": per_rank,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
 
     def engine_dtype(self) -> str:

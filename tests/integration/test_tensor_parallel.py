@@ -136,8 +136,7 @@ def test_a_rank_the_sync_missed_is_seen_by_its_logprobs(observed):
 
 def _sync_misses_rank_1(self) -> None:
     """In the rollout actor: its syncs write TP rank 0's slices only (a fault)."""
-    write = self.engine._place_weights  # TPSharedWeights.write
-    self.engine.set_weight_placer(lambda weights: write(weights, ranks=[0]))
+    self.engine.set_weight_placer(lambda weights: self.tp_shared.write(weights, ranks=[0]))
 
 
 def _read_only(weights) -> dict:
@@ -178,11 +177,11 @@ def _steps_then_fault(cfg, fault, target: str) -> dict:
     result = {}
     try:
         result["metrics"] = [c.step(k) for k in (1, 2)]
+        result["model_bytes"] = ray.get(c.placement.trainers[0].__ray_call__.remote(
+            _model_bytes))
         if cfg.placement == "colocated":
             result["cores"] = ray.get(c.placement.trainers[0].__ray_call__.remote(_engine_cores))
             result["engines"] = len(c.placement.engines)
-            result["model_bytes"] = ray.get(c.placement.trainers[0].__ray_call__.remote(
-                _model_bytes))
         actor = eval(f"c.placement.{target}")  # noqa: S307 (a fixed expression of this module)
         ray.get(actor.__ray_call__.remote(fault))
         try:
@@ -242,6 +241,8 @@ def test_a_run_on_a_tp2_engine_checks_every_sync(runs, placement):
     for m in run["metrics"]:
         assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"] == 1e-3
         assert m["sync/direct_load"] == 1.0 and m["sync/retries"] == 0.0
+        # each TP rank got its slice: about half the model's bytes
+        assert 0.45 <= m["sync/bytes_per_tp_rank"] / run["model_bytes"] <= 0.55
 
 
 @pytest.mark.integration
@@ -258,10 +259,9 @@ def test_colocated_one_engine_spans_both_workers_each_writing_its_rank(runs):
     assert run["engines"] == 1
     binding, affinity = run["cores"]
     assert binding == "0|1" and affinity == [[0], [1]]  # TP rank r on worker r's core
-    # each trainer rank wrote its TP rank's slice: about half the model's bytes, not all
-    for m in run["metrics"]:
+    for m in run["metrics"]:  # trainer rank r wrote TP rank r's slice, not the whole model
         assert m["sync/shared_weights"] == 1.0 and m["sync/exact_ranges"] == 0.0
-        assert 0.45 * run["model_bytes"] <= m["sync/bytes"] <= 0.55 * run["model_bytes"]
+        assert m["sync/bytes"] == m["sync/bytes_per_tp_rank"]
 
 
 if __name__ == "__main__":
