@@ -16,6 +16,13 @@ methods run on every rank through `LLM.collective_rpc`:
 The module is imported by each worker before its model loads, so the CPU linear dispatch
 (rollout.cpu_linear, see `install_cpu_linear_dispatch`) is installed there too, in the mode the
 engine passes through the environment (RL_CPU_LINEAR).
+
+It also shortens how long a rank keeps spinning for the engine's next call once calls stop
+(vLLM's shared-memory queue: 1 s of sched_yield, then a sleeping poll). On CPU the ranks share
+their cores with the trainer ranks (colocated) or with the weight sync's copies (their engine's
+actor), which come right after generation ends: a second of spinning on each core slowed them.
+Between the steps of a generation the calls come every few milliseconds and the ranks still
+spin.
 """
 from __future__ import annotations
 
@@ -27,10 +34,31 @@ import torch
 from rollout.vllm_engine import (CPU_LINEAR_ENV, install_cpu_linear_dispatch,
                                  repack_linears, set_cpu_linear_mode, tolerate_proxy_modules)
 
+IDLE_SPIN_S = 0.05  # a rank spins this long after the engine's last call, then sleeps
+
+
+def spin_briefly_when_idle() -> None:
+    """Make the message queues this process reads from spin IDLE_SPIN_S after the last call
+    (vLLM's default: 1 s); for queues created after this call (a worker's, at its start)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    condition = shm_broadcast.SpinCondition
+    if getattr(condition, "rl_idle_spin", None) == IDLE_SPIN_S:
+        return
+    init = condition.__init__
+
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=IDLE_SPIN_S):
+        init(self, is_reader, context, notify_address, min(busy_loop_s, IDLE_SPIN_S))
+
+    condition.__init__ = __init__
+    condition.rl_idle_spin = IDLE_SPIN_S
+
+
 if os.environ.get(CPU_LINEAR_ENV):  # a CPU engine's rank process
     install_cpu_linear_dispatch()
     set_cpu_linear_mode(os.environ[CPU_LINEAR_ENV])
     tolerate_proxy_modules()
+    spin_briefly_when_idle()
 
 
 class TPWorker:

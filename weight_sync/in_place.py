@@ -95,13 +95,13 @@ class EngineLayout:
             views[meta.name].copy_(params[meta.name])
         return flat, views
 
-    def sent_numel(self, spec: TPSpec) -> int:
-        """Elements a sync fills: everything but the vocab's padding rows."""
+    def sent_numel(self, spec: TPSpec, tp_rank: int = 0) -> int:
+        """Elements a sync fills (in TP rank tp_rank): everything but the vocab's padding rows."""
         total = 0
         for m in self.tensors:
             rows = m.shape[0] if m.shape else 1
             numel = m.nbytes // getattr(torch, m.dtype).itemsize
-            total += sent_rows(m.name, rows, spec) * (numel // rows)
+            total += sent_rows(m.name, rows, spec, tp_rank) * (numel // rows)
         return total
 
 

@@ -8,6 +8,14 @@ process maps every rank's file. A sync then writes, for each Hugging Face tensor
 memory (`local_param_slot`): each rank gets its slice and nothing else, no tensor crosses an RPC,
 and the engine re-packs after (`VLLMEngine.weights_changed`).
 
+Colocated, the trainer ranks beside the engine map every rank's memory too, and each writes
+its own ZeRO-3 shard of every parameter straight to the TP ranks' slices (`write_shards`): the
+flat element range [r s, (r + 1) s) a trainer rank holds is cut into row blocks, and each block
+meets each TP rank's slice (a range of rows, or of columns for row-parallel weights) in a
+rectangle, copied to its place. Each element is written once per TP rank that keeps it, by the
+trainer rank that holds it: no gather, no rank writes the whole model, and each TP rank receives
+its slice only.
+
 Needs an engine whose ranks keep their weights as loaded (CPU: rollout.cpu_linear repack or
 plain), on this host.
 """
@@ -20,11 +28,11 @@ from typing import Iterable, Mapping
 
 import torch
 
-from weight_sync.buckets import names_for
-from weight_sync.direct import DirectLoad
+from weight_sync.buckets import full_shape, names_for
+from weight_sync.direct import DirectLoadError
 from weight_sync.in_place import EngineLayout
-from weight_sync.node_buckets import _map, _shm_dir
-from weight_sync.resharding import TPSpec, shard_for_rank
+from weight_sync.node_buckets import _map, _shm_dir, shard_part
+from weight_sync.resharding import Shard, TPSpec, local_param_slot, shard_range
 
 
 class TPSharedWeights:
@@ -92,23 +100,121 @@ class TPSharedWeights:
               ) -> dict[int, int]:
         """Write each (HF name, full tensor) as every held rank's slice (`ranks`: only those);
         `aliases`: extra engine name -> HF name (a tied head sent once). Returns the bytes
-        written per rank; each rank is placed as `DirectLoad` places one engine (a tied head
-        once), and every parameter must be covered (the vocab's padding rows excepted), else
-        DirectLoadError, before the engine reads."""
+        written per rank; every element of every slice must be written (the vocab's padding
+        rows excepted), else DirectLoadError, before the engine reads."""
         ranks = list(self.views) if ranks is None else list(ranks)
-        loads = {r: DirectLoad(self.views[r], self.spec, tp_rank=r) for r in ranks}
-        filled = {r: {} for r in ranks}
         written = dict.fromkeys(ranks, 0)
+        done: set = set()
         with torch.no_grad():
             for name, full in weights:
-                for target_name in names_for(name, dict(aliases or {})):
-                    for r in ranks:
-                        piece = shard_for_rank(target_name, full, self.spec, r)
-                        written[r] += loads[r].place(target_name, piece, filled[r])
-        for r in ranks:
-            loads[r].check_complete(filled[r])
-            written[r] *= next(iter(self.views[r].values())).element_size()  # one engine dtype
+                counts = self._place(name, full.reshape(-1), 0, list(full.shape),
+                                     dict(aliases or {}), ranks, done)
+                for r in ranks:
+                    written[r] += counts[r]
+        expected = self.expected()
+        check_filled([written[r] for r in ranks], [expected[r] for r in ranks])
+        return {r: n * self.itemsize(r) for r, n in written.items()}
+
+    def write_shards(self, params: Iterable[tuple[str, torch.nn.Parameter]],
+                     aliases: Mapping[str, str], rank: int, world: int) -> dict[int, int]:
+        """Write trainer rank `rank`'s part (of `world`) of each (HF name, parameter) straight to
+        every held TP rank's slice; `aliases`: extra engine name -> HF name (a tied head). A
+        ZeRO-3 parameter's part is its shard, a whole one an equal element range of it
+        (node_buckets.shard_part). Returns the elements written into each TP rank; over all
+        trainer ranks they must add up to `expected()`."""
+        written = dict.fromkeys(self.views, 0)
+        done: set = set()
+        with torch.no_grad():
+            for name, p in params:
+                part, start = shard_part(p, rank, world)
+                counts = self._place(name, part, start, full_shape(p), dict(aliases),
+                                     list(self.views), done)
+                for t, n in counts.items():
+                    written[t] += n
         return written
+
+    def _place(self, name: str, part: torch.Tensor, start: int, shape: list[int],
+               aliases: dict[str, str], ranks: list[int], done: set) -> dict[int, int]:
+        """Copy `part` (flat elements [start, ...) of HF tensor `name` of `shape`) into each of
+        `ranks`' slices of it, by every engine name it has (`done`: the (rank, storage, row)
+        places written already: a tied head's second name); elements copied per rank."""
+        cols = shape[1] if len(shape) > 1 else 1
+        copied = dict.fromkeys(ranks, 0)
+        for target_name in names_for(name, aliases):
+            slot, offset = local_param_slot(target_name, self.spec)
+            for t in ranks:
+                dst = self.views[t].get(slot)
+                if dst is None:
+                    raise DirectLoadError(f"{name!r} goes to engine parameter {slot!r}, which TP "
+                                          f"rank {t} does not have: the trainer and engine "
+                                          f"models differ")
+                if (t, dst.data_ptr(), offset) in done:
+                    continue
+                done.add((t, dst.data_ptr(), offset))
+                shard = shard_range(target_name, tuple(shape), self.spec, t)
+                copied[t] += copy_into_slice(part, start, cols, shard,
+                                             dst.view(dst.shape[0], -1), offset)
+        return copied
+
+    def itemsize(self, rank: int) -> int:
+        return next(iter(self.views[rank].values())).element_size()  # one engine dtype
+
+    def expected(self) -> dict[int, int]:
+        """The elements a sync fills in each held TP rank: all but the vocab's padding rows."""
+        return {t: layout.sent_numel(self.spec, t) for t, layout in self.layouts.items()}
+
+
+def check_filled(written: list[int], expected: list[int]) -> None:
+    """Raise DirectLoadError unless a sync wrote every element of every TP rank's slice
+    (`written`, `expected`: per TP rank; colocated, summed over the trainer ranks)."""
+    short = [f"TP rank {i} got {w} of {e} elements"
+             for i, (w, e) in enumerate(zip(written, expected, strict=True)) if w != e]
+    if short:
+        raise DirectLoadError(f"the sync left TP slices unfilled: {'; '.join(short)} (TP ranks "
+                              f"in engine order); the trainer and engine models differ (a tied "
+                              f"head the trainer does not send?), or a trainer rank skipped "
+                              f"its part")
+
+
+def row_blocks(start: int, stop: int, cols: int) -> list[tuple[int, int, int, int, int]]:
+    """The flat elements [start, stop) of a row-major tensor of `cols` columns as at most three
+    blocks (row0, row1, col0, col1, offset from start): a partial first row, whole rows, a
+    partial last row."""
+    out, at = [], start
+    if at % cols and at < stop:
+        row, col = divmod(at, cols)
+        end = min(stop, (row + 1) * cols)
+        out.append((row, row + 1, col, col + end - at, at - start))
+        at = end
+    if at < stop and stop // cols > at // cols:
+        out.append((at // cols, stop // cols, 0, cols, at - start))
+        at = stop // cols * cols
+    if at < stop:
+        out.append((at // cols, at // cols + 1, 0, stop - at, at - start))
+    return out
+
+
+def copy_into_slice(part: torch.Tensor, start: int, cols: int, shard: Shard, dst: torch.Tensor,
+                    offset: int) -> int:
+    """Copy the elements of `part` (flat elements [start, start + numel) of a full tensor of
+    `cols` columns) that lie in a TP rank's `shard` of it to their place in the rank's local
+    parameter `dst` (2-D), whose row `offset` holds the shard's first row; returns the count."""
+    if shard.dim == 0:
+        rows, columns = (shard.start, shard.start + shard.length), (0, cols)
+    else:
+        rows, columns = (0, dst.shape[0] - offset), (shard.start, shard.start + shard.length)
+    copied = 0
+    for r0, r1, c0, c1, at in row_blocks(start, start + part.numel(), cols):
+        top, bottom = max(r0, rows[0]), min(r1, rows[1])
+        left, right = max(c0, columns[0]), min(c1, columns[1])
+        if top >= bottom or left >= right:
+            continue
+        block = part[at:at + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+        dst[offset + top - rows[0]:offset + bottom - rows[0],
+            left - columns[0]:right - columns[0]].copy_(
+                block[top - r0:bottom - r0, left - c0:right - c0])
+        copied += (bottom - top) * (right - left)
+    return copied
 
 
 def _file_bytes(layout: EngineLayout) -> int:

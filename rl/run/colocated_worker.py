@@ -19,8 +19,9 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
     At rollout.tensor_parallel_size = t > 1 an engine spans t workers: workers [k t, (k+1) t)
     share engine k, which lives in worker k t, its TP rank r bound to the cores of worker
-    k t + r; at each sync, the trainer rank of worker k t + r writes TP rank r's slice of every
-    tensor into that rank's memory (weight_sync.tp_shared), and no rank writes the whole model.
+    k t + r. At each sync every trainer rank writes its ZeRO-3 shard of each tensor straight to
+    the TP ranks' slices that hold those elements (weight_sync.tp_shared): no gather, no rank
+    writes the whole model, and each TP rank receives its slice only.
     """
 
     # the engines' weights in shared memory, written in place by the trainer ranks
@@ -28,6 +29,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     # False: not possible here
     shared_weights = None
     tp_size, tp_rank = 1, 0  # the engine's TP size; this worker's TP rank (0: holds the engine)
+    tp_rank_bytes = 0  # the most bytes one TP rank received in the last sync
 
     def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0) -> str | None:
         """As RolloutRole's; None from a worker that holds no engine (TP rank > 0)."""
@@ -79,7 +81,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         if self.shared_weights is None:
             self.shared_weights = self._share_engine_weights()
         if self.tp_size > 1:
-            stats = self._write_tp_slices(version, bucket_bytes)
+            stats = self._write_tp_slices()
         elif self.shared_weights:
             stats = self._write_shared_weights()
         else:
@@ -100,7 +102,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
                 "sync/exact_ranges": float(checked),
                 "sync/probe_trainer_seconds": t1 - seconds - t_exact - t0,
                 "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
-                "sync/bytes_per_tp_rank": stats.bytes,
+                "sync/bytes_per_tp_rank": self.tp_rank_bytes if self.tp_size > 1 else stats.bytes,
                 "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
                 "sync/direct_load": float(self.direct_load),
@@ -155,64 +157,78 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         stats.bytes = sum(full_numel(p) * p.element_size() for p in module.parameters())
         return stats
 
-    def _share_tp_weights(self):
-        """Collective: each TP engine's ranks move their weights into shared memory, and the
-        trainer rank of worker k t + r maps TP rank r's (weight_sync.tp_shared)."""
+    def _share_tp_weights(self) -> list:
+        """Collective: each TP engine's ranks move their weights into shared memory, and every
+        trainer rank maps every engine's ranks (weight_sync.tp_shared): its ZeRO-3 shard is part
+        of every engine's model."""
         import torch
         import torch.distributed as dist
 
+        from weight_sync.node_buckets import same_host
         from weight_sync.resharding import TPSpec
         from weight_sync.tp_shared import TPSharedWeights
 
+        if not same_host():
+            raise RuntimeError("colocated TP engines need every trainer rank on one host (each "
+                               "writes its shard into the engines' shared memory); use "
+                               "placement=disaggregated across hosts")
         files = None
         if self.engine is not None:
             spec = TPSpec.from_hf_config(self.engine.hf_config, self.tp_size)
             files = dict(TPSharedWeights.share(self.engine, spec), spec=spec)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, files)
-        engines = everyone[self.rank - self.tp_rank]
-        shared, error = None, None
+        shared, error = [], None
         try:
-            shared = TPSharedWeights.open(engines["spec"], engines, ranks=[self.tp_rank])
+            shared = [TPSharedWeights.open(f["spec"], f) for f in everyone if f is not None]
         except OSError as e:
             error = e
-        mapped = torch.tensor([int(shared is not None)])
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # also: every writer has opened its file
+        mapped = torch.tensor([int(error is None)])
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # also: every writer has opened the files
         if files is not None:
             TPSharedWeights.unlink(files)
         if not int(mapped):
-            raise RuntimeError(f"colocated TP engines need their trainer ranks on the engine's "
-                               f"host, mapping its /dev/shm ({error or 'another rank failed'}); "
-                               f"use placement=disaggregated")
+            raise RuntimeError(f"could not map the TP engines' weights in every trainer rank "
+                               f"({error or 'another rank failed'}); give the container a "
+                               f"larger /dev/shm, or use placement=disaggregated")
         return shared
 
-    def _write_tp_slices(self, version: int, bucket_bytes: int):
-        """Every trainer rank writes its TP rank's slice of each full tensor (assembled bucket by
-        bucket in shared memory, or gathered by DeepSpeed) into that rank's memory; then the
-        engine's ranks re-pack. stats.bytes: the bytes this rank wrote."""
+    def _write_tp_slices(self):
+        """Every trainer rank writes its ZeRO-3 shard of each parameter straight into the TP
+        ranks' slices of every engine (no gather); the element counts, summed over the ranks,
+        must fill every slice; then the engines' ranks re-pack. stats.bytes: what all the TP
+        ranks received (tp_rank_bytes: the most one did)."""
         import time
 
+        import torch
         import torch.distributed as dist
 
-        from weight_sync.transport import LocalTransport
+        from weight_sync.buckets import SyncStats, tied_head_alias
+        from weight_sync.tp_shared import check_filled
 
-        transport = LocalTransport(bucket_bytes, self.shared_slots)
-        transport.send(self.trainer.module, version)
-        written = {}
-        stats = transport.receive(lambda weights: written.update(self.write_slices(weights)),
-                                  version)
-        self.shared_slots = transport.shared
+        module, stats = self.trainer.module, SyncStats()
         t0 = time.perf_counter()
-        dist.barrier()  # every TP rank's slice is in place
+        written = self.write_slices(list(module.named_parameters()), tied_head_alias(module))
+        counts = torch.tensor([w[t] for w in written for t in range(self.tp_size)],
+                              dtype=torch.int64)
+        stats.add_time("write", time.perf_counter() - t0)
+        dist.all_reduce(counts)  # also the barrier: every rank has written its part
+        expected = [shared.expected() for shared in self.shared_weights]
+        check_filled(counts.tolist(), [e[t] for e in expected for t in range(self.tp_size)])
+        t1 = time.perf_counter()
         if self.engine is not None:
             self.engine.weights_changed()
-        stats.add_time("repack", time.perf_counter() - t0)
-        stats.bytes = sum(written.values())
+        stats.add_time("repack", time.perf_counter() - t1)
+        itemsize = self.shared_weights[0].itemsize(0)
+        stats.bytes = int(counts.sum()) * itemsize
+        self.tp_rank_bytes = int(counts.max()) * itemsize
         return stats
 
-    def write_slices(self, weights) -> dict[int, int]:
-        """Write this worker's TP rank's slice of each (name, full tensor); {rank: bytes}."""
-        return self.shared_weights.write(weights)
+    def write_slices(self, params: list, aliases: dict) -> list[dict[int, int]]:
+        """This rank's shard of each (HF name, parameter) into every engine's TP ranks; the
+        elements written into each, per engine."""
+        return [shared.write_shards(params, aliases, self.rank, self.world_size)
+                for shared in self.shared_weights]
 
     def _load_buckets(self, version: int, bucket_bytes: int):
         from weight_sync.transport import LocalTransport

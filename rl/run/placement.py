@@ -383,8 +383,9 @@ class EnginesOnly(Placement):
         super().__init__(cfg)
         r = cfg.ray
         if cfg.placement == "colocated":
-            count, cpus, gpus, cores = (r.num_workers, r.num_cpus_per_worker,
-                                        r.num_gpus_per_worker, None)
+            # an engine per TP-size workers, on their cores (as Colocated runs them)
+            count, cpus, gpus, cores = (r.num_workers // cfg.rollout.tensor_parallel_size,
+                                        r.num_cpus_per_worker, r.num_gpus_per_worker, None)
             wanted = bundles(cfg)
         else:
             count, cpus, gpus = (r.num_rollout_workers, r.num_cpus_per_rollout_worker,

@@ -139,22 +139,30 @@ def _sync_misses_rank_1(self) -> None:
     self.engine.set_weight_placer(lambda weights: self.tp_shared.write(weights, ranks=[0]))
 
 
-def _read_only(weights) -> dict:
-    for _ in weights:  # every bucket, as each trainer rank must (each ends in a barrier)
-        pass
-    return {}
+def _misplaces_a_tensor(self) -> None:
+    """In colocated worker 1: its syncs write its part of layer 1's o_proj where layer 0's goes
+    and the other way round (a fault: every slice filled, two at the wrong place)."""
+    write = self.write_slices
 
+    def swapped(params: list, aliases: dict) -> list:
+        names = [n for n, _ in params]
+        i, j = (names.index(f"model.layers.{k}.self_attn.o_proj.weight") for k in (0, 1))
+        params = list(params)
+        params[i], params[j] = (names[i], params[j][1]), (names[j], params[i][1])
+        return write(params, aliases)
 
-def _writes_no_slice(self) -> None:
-    """In colocated worker 1: its syncs write nothing into TP rank 1 (a fault)."""
-    self.write_slices = _read_only
+    self.write_slices = swapped
 
 
 def _engine_cores(self) -> list:
-    """In colocated worker 0: the binding its TP engine was given, each rank's CPU affinity."""
+    """In colocated worker 0: the binding its TP engine was given, each rank's CPU affinity, and
+    how long each rank spins once the engine's calls stop (rollout.tp_worker)."""
     affinity = self.engine.llm.collective_rpc(
         lambda worker: sorted(__import__("os").sched_getaffinity(0)))
-    return [self.engine.core_binding, affinity]
+    spin = self.engine.llm.collective_rpc(lambda worker: __import__(
+        "vllm.distributed.device_communicators.shm_broadcast", fromlist=["SpinCondition"]
+    ).SpinCondition.__dict__.get("rl_idle_spin"))
+    return [self.engine.core_binding, affinity, spin]
 
 
 def _model_bytes(self) -> int:
@@ -196,7 +204,8 @@ def _steps_then_fault(cfg, fault, target: str) -> dict:
 
 def run_main(out_dir: str) -> None:
     """Runs on TP 2 engines (one Ray for both): disaggregated (one engine's actor, one trainer),
-    then colocated (2 workers, one engine over both); each stops at a sync that missed a rank."""
+    then colocated (2 workers, one engine over both). The first stops at a sync that missed a
+    rank, the second at one that put a tensor at another's place."""
     import ray
 
     from rl.config import load_config
@@ -215,7 +224,7 @@ def run_main(out_dir: str) -> None:
     try:
         result = {"disaggregated": _steps_then_fault(disaggregated, _sync_misses_rank_1,
                                                      "engines[0]"),
-                  "colocated": _steps_then_fault(colocated, _writes_no_slice, "trainers[1]")}
+                  "colocated": _steps_then_fault(colocated, _misplaces_a_tensor, "trainers[1]")}
     finally:
         ray.shutdown()
     (Path(out_dir) / "run.json").write_text(json.dumps(result))
@@ -257,11 +266,13 @@ def test_a_sync_that_missed_a_tp_rank_stops_the_run(runs, placement):
 def test_colocated_one_engine_spans_both_workers_each_writing_its_rank(runs):
     run = runs["colocated"]
     assert run["engines"] == 1
-    binding, affinity = run["cores"]
+    binding, affinity, spin = run["cores"]
     assert binding == "0|1" and affinity == [[0], [1]]  # TP rank r on worker r's core
-    for m in run["metrics"]:  # trainer rank r wrote TP rank r's slice, not the whole model
+    assert spin == [0.05, 0.05]  # and sleeps soon after the engine's calls stop
+    for m in run["metrics"]:  # the TP ranks received the model once between them (the norms
+        # twice): each trainer rank wrote its ZeRO-3 shard, no gather
         assert m["sync/shared_weights"] == 1.0 and m["sync/exact_ranges"] == 0.0
-        assert m["sync/bytes"] == m["sync/bytes_per_tp_rank"]
+        assert 1.0 <= m["sync/bytes"] / run["model_bytes"] <= 1.01
 
 
 if __name__ == "__main__":
