@@ -57,6 +57,7 @@ class SyncStats:
     max_bucket_bytes: int = 0
     names: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # time per phase (gather, wire, ...)
+    rank_bytes: dict[int, int] = field(default_factory=dict)  # in place at TP > 1: per TP rank
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds

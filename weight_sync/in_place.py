@@ -11,6 +11,12 @@ engine then receives bucket k straight into its parameters: no receive buffer, n
 
 The bucket's 8-byte checksum trailer lands on the first bytes of bucket k+1 (or the spare
 bytes after the last bucket); the receiver reads it before asking for bucket k+1.
+
+A tensor-parallel engine's ranks each keep their weights in a file of shared memory laid out
+the same way (`weight_sync.tp_shared`). Its buckets tile each rank's buffer in turn (a bucket's
+`rank` says whose): a tensor there is the rank's slice of an HF tensor (`TensorMeta.shard`), and
+each trainer rank writes the elements of its shard that lie in it (`node_buckets.write_shards`).
+The engine's actor receives every bucket straight into its rank's memory.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch
 from weight_sync.buckets import names_for
 from weight_sync.direct import RELOAD_HINT, DirectLoadError
 from weight_sync.layout import TRAILER, BucketMeta, TensorMeta, dtype_name
-from weight_sync.resharding import TPSpec, local_param_slot, sent_rows
+from weight_sync.resharding import TPSpec, local_param_slot, sent_rows, shard_range
 
 ALIGN = 64  # bytes: each parameter starts on a cache line
 
@@ -106,11 +112,12 @@ class EngineLayout:
 
 
 def place_in_engine(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
-                    trainer_aliases: Mapping[str, str], spec: TPSpec
+                    trainer_aliases: Mapping[str, str], spec: TPSpec, tp_rank: int = 0
                     ) -> tuple[list[TensorMeta], dict[str, int]]:
     """Each HF tensor (named as the trainer names it; shape as sent, dtype as stored) at its
-    byte offset in the engine's buffer, a tied head once; and the bytes each stored parameter
-    gets. A tensor without a place, or that does not fit it, is an error."""
+    byte offset in the engine's buffer (at TP > 1: TP rank tp_rank's slice of it, in that
+    rank's buffer), a tied head once; and the bytes each stored parameter gets. A tensor
+    without a place, or that does not fit it, is an error."""
     stored = {m.name: m for m in engine.tensors}
     placed: list[TensorMeta] = []
     covered: dict[str, int] = {}
@@ -128,23 +135,37 @@ def place_in_engine(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
             seen.add(target)
             row_bytes = meta.nbytes // meta.shape[0] if meta.shape else meta.nbytes
             sent = TensorMeta(name, list(shape), meta.dtype, meta.offset + row * row_bytes)
-            if row * row_bytes + sent.nbytes > meta.nbytes or list(shape[1:]) != meta.shape[1:]:
-                raise DirectLoadError(f"{target_name!r} {list(shape)} does not fit engine "
+            if spec.tp_size > 1:
+                shard = shard_range(target_name, tuple(shape), spec, tp_rank)
+                if shard.length == 0:  # a vocab slice past the real rows: all padding
+                    continue
+                sent.shape[shard.dim] = shard.length
+                sent.shard = [shard.dim, shard.start, shard.length]
+            if row * row_bytes + sent.nbytes > meta.nbytes or sent.shape[1:] != meta.shape[1:]:
+                raise DirectLoadError(f"{target_name!r} {sent.shape} does not fit engine "
                                       f"parameter {target!r} {meta.shape} at row {row}")
             placed.append(sent)
             covered[target] = covered.get(target, 0) + sent.nbytes
     return placed, covered
 
 
-def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
+def plan_in_place(engines: list[EngineLayout], trainer: list[tuple[str, list[int]]],
                   trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int
                   ) -> list[BucketMeta]:
-    """Buckets that tile the engine's buffer, each TensorMeta an HF tensor (see
-    `place_in_engine`) at its offset in its bucket; every byte but the padding covered."""
-    placed, covered = place_in_engine(engine, trainer, trainer_aliases, spec)
+    """Buckets that tile the engine's buffer (at TP > 1, each rank's buffer in turn: `engines`
+    by TP rank), each TensorMeta an HF tensor or its slice (see `place_in_engine`) at its
+    offset in its bucket; every byte but the padding covered."""
+    return [bucket for rank, engine in enumerate(engines)
+            for bucket in _plan_rank(engine, trainer, trainer_aliases, spec, bucket_bytes, rank)]
+
+
+def _plan_rank(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
+               trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int,
+               tp_rank: int) -> list[BucketMeta]:
+    placed, covered = place_in_engine(engine, trainer, trainer_aliases, spec, tp_rank)
     for meta in engine.tensors:
         rows = meta.shape[0] if meta.shape else 1
-        want = meta.nbytes // rows * sent_rows(meta.name, rows, spec)
+        want = meta.nbytes // rows * sent_rows(meta.name, rows, spec, tp_rank)
         if covered.get(meta.name, 0) != want:
             raise DirectLoadError(f"the trainer's tensors cover {covered.get(meta.name, 0)} of "
                                   f"the {want} bytes of engine parameter {meta.name!r}; the "
@@ -156,10 +177,30 @@ def plan_in_place(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
         offset = sent.offset
         # cut only at 8-byte boundaries: the checksum reads a bucket as 64-bit words
         if current and offset + sent.nbytes - start > bucket_bytes and offset % 8 == 0:
-            buckets.append(BucketMeta(current, offset - start, start))
+            buckets.append(BucketMeta(current, offset - start, start, tp_rank))
             start, current = offset, []
         sent.offset = offset - start
         current.append(sent)
     if current:
-        buckets.append(BucketMeta(current, engine.nbytes - start, start))
+        buckets.append(BucketMeta(current, engine.nbytes - start, start, tp_rank))
     return buckets
+
+
+def layouts_digest(engines: list[EngineLayout]) -> str:
+    """The digest in-place buckets name the engine by (its TP ranks' layouts together)."""
+    if len(engines) == 1:
+        return engines[0].digest()
+    return hashlib.sha256("|".join(e.digest() for e in engines).encode()).hexdigest()[:16]
+
+
+def encode_layouts(engines: list[EngineLayout]) -> str:
+    """An engine's packed layout, or its TP ranks' (by rank), for the trainer ranks."""
+    return engines[0].encode() if len(engines) == 1 else json.dumps(
+        {"tp_ranks": [e.encode() for e in engines]})
+
+
+def decode_layouts(encoded: str) -> list[EngineLayout]:
+    raw = json.loads(encoded)
+    if "tp_ranks" in raw:
+        return [EngineLayout.decode(e) for e in raw["tp_ranks"]]
+    return [EngineLayout.decode(encoded)]

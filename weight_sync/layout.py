@@ -30,6 +30,9 @@ class TensorMeta:
     shape: list[int]
     dtype: str
     offset: int  # bytes from the start of the bucket
+    # in-place syncs into a TP rank: [dim, start, length] of the full tensor this is the slice
+    # of (resharding.Shard; the shape is the slice's), else None: the whole tensor
+    shard: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +47,7 @@ class BucketMeta:
     tensors: list[TensorMeta]
     nbytes: int  # data bytes, aligned; the buffer is nbytes + TRAILER long
     start: int = 0  # in-place syncs: where the bucket lies in the engine's packed weights
+    rank: int = 0  # ... of that TP rank's (weight_sync.in_place.plan_in_place)
 
 
 @dataclass
@@ -60,8 +64,8 @@ class SyncLayout:
     @staticmethod
     def decode(data: bytes) -> "SyncLayout":
         raw = json.loads(data)
-        buckets = [BucketMeta([TensorMeta(**t) for t in b["tensors"]], b["nbytes"], b["start"])
-                   for b in raw["buckets"]]
+        buckets = [BucketMeta([TensorMeta(**t) for t in b["tensors"]], b["nbytes"], b["start"],
+                              b["rank"]) for b in raw["buckets"]]
         return SyncLayout(raw["version"], raw["checksum"], buckets, raw["aliases"],
                           raw["in_place"])
 

@@ -27,8 +27,9 @@ import warnings
 
 import torch
 
-from weight_sync.buckets import is_world_shard
+from weight_sync.buckets import full_shape, is_world_shard
 from weight_sync.layout import TRAILER, BucketMeta, TensorMeta
+from weight_sync.resharding import Shard, copy_into_slice
 
 
 def _shm_dir() -> str:
@@ -57,13 +58,22 @@ def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tens
 def write_shards(memory: torch.Tensor, tensors: list[TensorMeta],
                  params: list[torch.nn.Parameter], rank: int, world: int) -> int:
     """Write this rank's part of each parameter to its tensor's place in `memory` (a uint8
-    buffer), viewed in the tensor's dtype (the copy casts); returns the elements written."""
+    buffer), viewed in the tensor's dtype (the copy casts); a tensor that is a TP rank's slice
+    (`meta.shard`) gets those of the part's elements that lie in the slice. Returns the elements
+    written."""
     written = 0
     for p, meta in zip(params, tensors, strict=True):
         part, start = shard_part(p, rank, world)
         full = memory[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
-        full[start:start + part.numel()].copy_(part)
-        written += part.numel()
+        if meta.shard is None:
+            full[start:start + part.numel()].copy_(part)
+            written += part.numel()
+            continue
+        shape = full_shape(p)
+        dim, first, length = meta.shard
+        written += copy_into_slice(part, start, shape[1] if len(shape) > 1 else 1,
+                                   Shard(dim, first, length, length),
+                                   full.view(meta.shape[0] if meta.shape else 1, -1), 0)
     return written
 
 

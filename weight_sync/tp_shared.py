@@ -31,8 +31,9 @@ import torch
 from weight_sync.buckets import full_shape, names_for
 from weight_sync.direct import DirectLoadError
 from weight_sync.in_place import EngineLayout
+from weight_sync.layout import TRAILER
 from weight_sync.node_buckets import _map, _shm_dir, shard_part
-from weight_sync.resharding import Shard, TPSpec, local_param_slot, shard_range
+from weight_sync.resharding import TPSpec, copy_into_slice, local_param_slot, shard_range
 
 
 class TPSharedWeights:
@@ -42,8 +43,8 @@ class TPSharedWeights:
 
     def __init__(self, spec: TPSpec, layouts: Mapping[int, EngineLayout],
                  maps: Mapping[int, mmap.mmap]):
-        self.spec, self.layouts, self._maps = spec, dict(layouts), dict(maps)
-        self.views = {r: layout.views(torch.frombuffer(self._maps[r], dtype=torch.uint8))
+        self.spec, self.layouts, self.maps = spec, dict(layouts), dict(maps)
+        self.views = {r: layout.views(torch.frombuffer(self.maps[r], dtype=torch.uint8))
                       for r, layout in self.layouts.items()}
 
     @classmethod
@@ -176,46 +177,6 @@ def check_filled(written: list[int], expected: list[int]) -> None:
                               f"its part")
 
 
-def row_blocks(start: int, stop: int, cols: int) -> list[tuple[int, int, int, int, int]]:
-    """The flat elements [start, stop) of a row-major tensor of `cols` columns as at most three
-    blocks (row0, row1, col0, col1, offset from start): a partial first row, whole rows, a
-    partial last row."""
-    out, at = [], start
-    if at % cols and at < stop:
-        row, col = divmod(at, cols)
-        end = min(stop, (row + 1) * cols)
-        out.append((row, row + 1, col, col + end - at, at - start))
-        at = end
-    if at < stop and stop // cols > at // cols:
-        out.append((at // cols, stop // cols, 0, cols, at - start))
-        at = stop // cols * cols
-    if at < stop:
-        out.append((at // cols, at // cols + 1, 0, stop - at, at - start))
-    return out
-
-
-def copy_into_slice(part: torch.Tensor, start: int, cols: int, shard: Shard, dst: torch.Tensor,
-                    offset: int) -> int:
-    """Copy the elements of `part` (flat elements [start, start + numel) of a full tensor of
-    `cols` columns) that lie in a TP rank's `shard` of it to their place in the rank's local
-    parameter `dst` (2-D), whose row `offset` holds the shard's first row; returns the count."""
-    if shard.dim == 0:
-        rows, columns = (shard.start, shard.start + shard.length), (0, cols)
-    else:
-        rows, columns = (0, dst.shape[0] - offset), (shard.start, shard.start + shard.length)
-    copied = 0
-    for r0, r1, c0, c1, at in row_blocks(start, start + part.numel(), cols):
-        top, bottom = max(r0, rows[0]), min(r1, rows[1])
-        left, right = max(c0, columns[0]), min(c1, columns[1])
-        if top >= bottom or left >= right:
-            continue
-        block = part[at:at + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-        dst[offset + top - rows[0]:offset + bottom - rows[0],
-            left - columns[0]:right - columns[0]].copy_(
-                block[top - r0:bottom - r0, left - c0:right - c0])
-        copied += (bottom - top) * (right - left)
-    return copied
-
-
 def _file_bytes(layout: EngineLayout) -> int:
-    return max(layout.nbytes, 64)
+    # and room for an in-place bucket's checksum after the last byte (weight_sync.in_place)
+    return max(layout.nbytes, 64) + TRAILER

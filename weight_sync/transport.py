@@ -26,7 +26,7 @@ from weight_sync.buckets import (SyncStats, full_shape, gathered, is_world_shard
                                  iter_full_weights, names_for, tied_head_alias)
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
-from weight_sync.in_place import EngineLayout, plan_in_place
+from weight_sync.in_place import EngineLayout, layouts_digest, plan_in_place
 from weight_sync.layout import (TRAILER, SyncLayout, as_int64, flatten_into, new_buffer,
                                 plan_layout, read_trailer, unflatten, write_trailer)
 from weight_sync.node_buckets import NodeBuckets
@@ -199,9 +199,10 @@ class BroadcastTransport(WeightTransport):
 
     def __init__(self, group: CollectiveGroup | None, bucket_bytes: int, checksum: str = "sum64",
                  shared: NodeBuckets | None | bool = None,
-                 engine: tuple[EngineLayout, TPSpec] | None = None):
-        """`engine`: the engines' packed layout (all alike) and their TP spec; with shared slots,
-        buckets are then cut from it and land in the engines' parameters (`weight_sync.in_place`)."""
+                 engine: tuple[list[EngineLayout], TPSpec] | None = None):
+        """`engine`: the engines' packed layout (all alike; at TP > 1 each rank's, by rank) and
+        their TP spec; with shared slots, buckets are then cut from it and land in the engines'
+        parameters (`weight_sync.in_place`)."""
         self.group, self.bucket_bytes, self.checksum = group, bucket_bytes, checksum
         self._checksum = get_checksum(checksum)
         self.shared, self.engine = shared, engine
@@ -212,10 +213,10 @@ class BroadcastTransport(WeightTransport):
         buckets of the trainer's own tensors (collective: every rank decides alike)."""
         aliases = tied_head_alias(module)
         if self.engine is not None and self.shared is not False:
-            engine, spec = self.engine
+            engines, spec = self.engine
             trainer = [(n, full_shape(p)) for n, p in module.named_parameters()]
-            buckets = plan_in_place(engine, trainer, aliases, spec, self.bucket_bytes)
-            layout = SyncLayout(version, self.checksum, buckets, {}, engine.digest())
+            buckets = plan_in_place(engines, trainer, aliases, spec, self.bucket_bytes)
+            layout = SyncLayout(version, self.checksum, buckets, {}, layouts_digest(engines))
             self.shared = _shared_slots(self.shared, module, layout)
             self.in_place = bool(self.shared)
             if self.in_place:
@@ -283,7 +284,8 @@ class BroadcastTransport(WeightTransport):
         `DirectLoad` does), so two receive buffers are reused; vLLM's reload keeps views until
         a layer is complete, so by default every bucket gets fresh memory.
         `packed`: (layout digest, flat buffer) of an engine whose parameters live in one buffer
-        (`EngineLayout.pack`): in-place buckets are received straight into it."""
+        (`EngineLayout.pack`), or (digest, [buffer of each TP rank]): in-place buckets are
+        received straight into it."""
         layout = SyncLayout.decode(self.group.broadcast_bytes(None))
         errors: list[str] = []
         in_place = _check_layout(layout, version, packed, errors)
@@ -322,7 +324,8 @@ class BroadcastTransport(WeightTransport):
         def post(k: int):
             bucket = layout.buckets[k]
             if in_place:  # its trailer lands on bucket k+1's first bytes: read before k+1
-                buffer = packed[1][bucket.start:bucket.start + bucket.nbytes + TRAILER]
+                memory = packed[1][bucket.rank] if isinstance(packed[1], list) else packed[1]
+                buffer = memory[bucket.start:bucket.start + bucket.nbytes + TRAILER]
             else:
                 buffer = (pool[k % 2][:bucket.nbytes + TRAILER] if pool
                           else new_buffer(bucket, group.device))
@@ -350,6 +353,7 @@ class BroadcastTransport(WeightTransport):
                               f"received {got:#x}")
                 continue
             stats.add_bucket(bucket.nbytes, len(bucket.tensors))
+            stats.rank_bytes[bucket.rank] = stats.rank_bytes.get(bucket.rank, 0) + bucket.nbytes
             if not layout.in_place:  # in place: already where the engine reads it
                 yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
 

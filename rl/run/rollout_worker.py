@@ -95,9 +95,19 @@ class RolloutRole(Role):
         take weights in place (packed CPU linears, an unknown model)."""
         from weight_sync.in_place import EngineLayout
 
-        if not self.direct_load or self.device != "cpu" or self.engine.tp_size > 1:
-            return None  # the sender cuts in-place buckets from CPU shared memory only, and
-            # for one rank's layout
+        if not self.direct_load or self.device != "cpu":
+            return None  # the sender cuts in-place buckets from CPU shared memory only
+        if self.engine.tp_size > 1:  # each rank's weights are already in one buffer (tp_shared)
+            import torch
+
+            from weight_sync.in_place import encode_layouts, layouts_digest
+
+            shared = self.tp_shared
+            layouts = [shared.layouts[r] for r in range(self.engine.tp_size)]
+            self.packed = (layouts_digest(layouts), [torch.frombuffer(shared.maps[r],
+                                                                      dtype=torch.uint8)
+                                                     for r in range(self.engine.tp_size)])
+            return encode_layouts(layouts)
         params = self.engine.parameters()
         layout = EngineLayout.of(params)
         flat, views = layout.pack(params)
@@ -200,7 +210,10 @@ class RolloutRole(Role):
             packed=self.packed)
         self.engine.weights_changed()  # in-place buckets bypass load_weights
         self.policy_version = version
-        per_rank = self.tp_bytes if self.engine.tp_size > 1 else stats.bytes
+        if self.engine.tp_size == 1:
+            per_rank = stats.bytes
+        else:  # in place: the buckets each rank's memory took; else what the placer wrote
+            per_rank = max(stats.rank_bytes.values()) if stats.rank_bytes else self.tp_bytes
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/bytes_per_tp_rank": per_rank,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}

@@ -15,12 +15,13 @@ class TrainerRole(Role):
     # first sync; False when the ranks span several machines, train on GPUs, or /dev/shm is
     # too small
     shared_slots = None
-    engine_layout = None  # the engines' packed layout (weight_sync.in_place), when they have one
+    engine_layout = None  # the engines' packed layouts by TP rank (weight_sync.in_place), if any
 
     def set_engine_layout(self, encoded: str | None) -> None:
-        from weight_sync.in_place import EngineLayout
+        """The engines' packed layout (by TP rank: weight_sync.in_place.encode_layouts)."""
+        from weight_sync.in_place import decode_layouts
 
-        self.engine_layout = None if encoded is None else EngineLayout.decode(encoded)
+        self.engine_layout = None if encoded is None else decode_layouts(encoded)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from update.trainer import init_distributed
@@ -86,7 +87,8 @@ class TrainerRole(Role):
         if self.engine_layout is not None:
             from weight_sync.resharding import TPSpec
 
-            engine = (self.engine_layout, TPSpec.from_hf_config(self.trainer.module.config, 1))
+            engine = (self.engine_layout, TPSpec.from_hf_config(self.trainer.module.config,
+                                                                len(self.engine_layout)))
         transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots,
                                        engine)
         stats = transport.send(self.trainer.module, version, corrupt_bucket)
@@ -104,8 +106,8 @@ class TrainerRole(Role):
         from weight_sync.resharding import TPSpec
 
         spec = TPSpec.from_hf_config(self.trainer.module.config, 1)
-        return trainer_digests(self.engine_layout, spec, self.trainer.module, self.rank,
-                               self.world_size)
+        return trainer_digests(self.engine_layout[0], spec, self.trainer.module, self.rank,
+                               self.world_size)  # (TP 1: the placement skips it at TP > 1)
 
     @traced("checkpoint")
     def save_checkpoint(self, directory: str) -> None:

@@ -135,8 +135,12 @@ def test_a_rank_the_sync_missed_is_seen_by_its_logprobs(observed):
 
 
 def _sync_misses_rank_1(self) -> None:
-    """In the rollout actor: its syncs write TP rank 0's slices only (a fault)."""
-    self.engine.set_weight_placer(lambda weights: self.tp_shared.write(weights, ranks=[0]))
+    """In the rollout actor: its syncs receive TP rank 1's buckets into scratch memory, not into
+    the rank's weights (a fault)."""
+    import torch
+
+    digest, memory = self.packed
+    self.packed = (digest, [memory[0], torch.empty_like(memory[1])])
 
 
 def _misplaces_a_tensor(self) -> None:
@@ -250,6 +254,8 @@ def test_a_run_on_a_tp2_engine_checks_every_sync(runs, placement):
     for m in run["metrics"]:
         assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"] == 1e-3
         assert m["sync/direct_load"] == 1.0 and m["sync/retries"] == 0.0
+        # disaggregated: received in place, each bucket into its TP rank's memory
+        assert m.get("sync/in_place", 1.0) == 1.0
         # each TP rank got its slice: about half the model's bytes
         assert 0.45 <= m["sync/bytes_per_tp_rank"] / run["model_bytes"] <= 0.55
 

@@ -35,7 +35,7 @@ def engine_params(dtype=torch.float32) -> dict[str, torch.Tensor]:
 
 def send_in_place(layout: EngineLayout, hf: dict, bucket_bytes: int, aliases=None):
     """What the engine's buffer holds after every bucket landed (the sender's side, by hand)."""
-    buckets = plan_in_place(layout, [(n, list(t.shape)) for n, t in hf.items()], aliases or {},
+    buckets = plan_in_place([layout], [(n, list(t.shape)) for n, t in hf.items()], aliases or {},
                             SPEC, bucket_bytes)
     flat = torch.full((layout.nbytes + TRAILER,), 0xAB, dtype=torch.uint8)  # garbage first
     for b in buckets:
@@ -80,9 +80,9 @@ def test_a_missing_tensor_or_a_wrong_shape_is_an_error():
     del hf[f"{MLP}.up_proj.weight"]
     with pytest.raises(DirectLoadError, match=r"cover 1536 of the 3072 bytes of engine parameter "
                                               r"'model.layers.0.mlp.gate_up_proj.weight'"):
-        plan_in_place(layout, [(n, list(t.shape)) for n, t in hf.items()], {}, SPEC, 4096)
+        plan_in_place([layout], [(n, list(t.shape)) for n, t in hf.items()], {}, SPEC, 4096)
     with pytest.raises(DirectLoadError, match=r"\[9, 16\] does not fit engine parameter"):
-        plan_in_place(layout, [(f"{ATTN}.v_proj.weight", [9, H])], {}, SPEC, 4096)
+        plan_in_place([layout], [(f"{ATTN}.v_proj.weight", [9, H])], {}, SPEC, 4096)
 
 
 def test_layout_round_trips_and_its_digest_tells_layouts_apart():

@@ -9,9 +9,9 @@ import torch
 
 from tests.unit.weight_sync.test_direct import HIDDEN, VOCAB, _hf, _vllm_reference
 from weight_sync.in_place import EngineLayout
-from weight_sync.resharding import Shard, TPSpec, shard_range
+from weight_sync.resharding import Shard, TPSpec, copy_into_slice, row_blocks, shard_range
 from weight_sync.direct import DirectLoadError
-from weight_sync.tp_shared import TPSharedWeights, check_filled, copy_into_slice, row_blocks
+from weight_sync.tp_shared import TPSharedWeights, check_filled
 
 HEAD_DIM, INTERMEDIATE = 4, 32
 
@@ -89,3 +89,39 @@ def test_a_trainer_rank_that_skipped_its_part_leaves_slices_unfilled(vllm_tp):
         check_filled([written[t] for t in range(2)], [expected[t] for t in range(2)])
     written.update(shared.write_shards(params, {}, 1, 2))
     check_filled([written[t] for t in range(2)], [expected[t] for t in range(2)])
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("bucket_bytes", [1, 700, 2**20])
+@pytest.mark.parametrize("heads,kv_heads,tp_size", [(4, 4, 2), (8, 2, 4)])
+def test_in_place_buckets_of_tp_ranks_rebuild_each_rank(vllm_tp, heads, kv_heads, tp_size,
+                                                         bucket_bytes, world):
+    """Disaggregated, in place: buckets tile each TP rank's buffer in turn; the trainer ranks
+    write their parts of each bucket's slices (node_buckets.write_shards, gaps zeroed as
+    NodeBuckets does) and each bucket lands at its place in its rank's buffer."""
+    from weight_sync.in_place import plan_in_place
+    from weight_sync.layout import TRAILER
+    from weight_sync.node_buckets import write_shards
+
+    hf = _hf(heads, kv_heads)
+    spec = TPSpec(tp_size, heads, kv_heads, HEAD_DIM, INTERMEDIATE, VOCAB)
+    references = [_vllm_reference(vllm_tp, hf, heads, kv_heads, r, tp_size)
+                  for r in range(tp_size)]
+    layouts = [EngineLayout.of(ref) for ref in references]
+    buckets = plan_in_place(layouts, [(n, list(t.shape)) for n, t in hf.items()], {}, spec,
+                            bucket_bytes)
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in hf.items()}
+    flats = [torch.full((layout.nbytes + TRAILER,), 0xAB, dtype=torch.uint8)
+             for layout in layouts]
+    for b in buckets:
+        slot = torch.zeros(b.nbytes + TRAILER, dtype=torch.uint8)
+        for rank in range(world):
+            write_shards(slot, b.tensors, [params[m.name] for m in b.tensors], rank, world)
+        flats[b.rank][b.start:b.start + b.nbytes] = slot[:b.nbytes]
+    for r, (layout, ref) in enumerate(zip(layouts, references)):
+        mine = [b for b in buckets if b.rank == r]
+        assert mine[0].start == 0 and mine[-1].start + mine[-1].nbytes == layout.nbytes
+        assert all(a.start + a.nbytes == b.start for a, b in zip(mine, mine[1:]))  # tiled
+        views = layout.views(flats[r])
+        for name, want in ref.items():
+            assert torch.equal(views[name], want), f"{name}, TP rank {r}/{tp_size}"
