@@ -99,6 +99,7 @@ class Placement:
     trainers: list
     engines: list
     streaming = False  # the engines generate in loops of their own (async pipeline modes)
+    colocated = False  # the engines are (some of) the trainers' actors
     pool = None  # the rl.run.pool.PlacementPool that `release` hands the actors back to, if any
 
     def __init__(self, cfg: Config):
@@ -208,6 +209,8 @@ class Colocated(Placement):
     """N actors, each one trainer rank + one engine; weights move by in-process copy. At
     rollout.tensor_parallel_size t > 1 an engine spans t actors and lives in the first
     (rl.run.colocated_worker): N / t engines."""
+
+    colocated = True
 
     def __init__(self, cfg: Config):
         from rl.run.colocated_worker import ColocatedWorker

@@ -7,8 +7,10 @@ from rl.observe.timeline import Spans, Timeline
 
 def actor_tracks(placement) -> list[tuple[str, object]]:
     """(track name, actor) for every actor of the placement, trainers first."""
-    if placement.engines is placement.trainers:
-        return [(f"worker {i} (trainer rank {i} + engine {i})", w)
+    if placement.colocated:  # an engine per worker, or per tp workers at TP > 1
+        tp = len(placement.trainers) // max(1, len(placement.engines))
+        return [(f"worker {i} (trainer rank {i} + engine {i // tp}"
+                 + (f", TP rank {i % tp})" if tp > 1 else ")"), w)
                 for i, w in enumerate(placement.trainers)]
     return ([(f"trainer rank {i}", w) for i, w in enumerate(placement.trainers)]
             + [(f"rollout engine {i}", e) for i, e in enumerate(placement.engines)])

@@ -207,8 +207,8 @@ def _steps_then_fault(cfg, fault, target: str) -> dict:
 
 
 def run_main(out_dir: str) -> None:
-    """Runs on TP 2 engines (one Ray for both): disaggregated (one engine's actor, one trainer),
-    then colocated (2 workers, one engine over both). The first stops at a sync that missed a
+    """Runs on TP 2 engines (one Ray for both): disaggregated in fully_async mode (one engine's
+    actor, one trainer), then colocated (2 workers, one engine over both). The first stops at a sync that missed a
     rank, the second at one that put a tensor at another's place."""
     import ray
 
@@ -219,9 +219,13 @@ def run_main(out_dir: str) -> None:
     small = ["rollout.tensor_parallel_size=2", "rollout.prompts_per_step=8", "rollout.n=4",
              "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32",
              "data.eval_fraction=0", "trainer.eval_every=0"]
-    disaggregated = load_config(str(recipes / "quickstart_disaggregated.yaml"), [
+    # fully_async: generation goes on during the update, and each sync pauses the engine's
+    # loop (cutting the sequences in flight) and resumes it under the new version; the TP ranks
+    # share both cores with the trainer (a core per rank)
+    disaggregated = load_config(str(recipes / "quickstart_fully_async.yaml"), [
         *small, "ray.num_workers=1", "ray.num_rollout_workers=1", "ray.num_cpus_per_worker=0.5",
-        "ray.num_cpus_per_rollout_worker=0.5", f"run.output_dir={out_dir}/disaggregated"])
+        "ray.num_cpus_per_rollout_worker=0.5", "ray.split_cores=false",
+        f"run.output_dir={out_dir}/disaggregated"])
     colocated = load_config(str(recipes / "quickstart.yaml"), [
         *small, "ray.num_workers=2", f"run.output_dir={out_dir}/colocated"])
     start_ray(disaggregated)
@@ -251,6 +255,8 @@ def runs():
 def test_a_run_on_a_tp2_engine_checks_every_sync(runs, placement):
     run = runs[placement]
     assert [m["step"] for m in run["metrics"]] == [1, 2]
+    if placement == "disaggregated":  # fully_async: step 2 trained samples of version 0
+        assert run["metrics"][1]["rollout/staleness_max"] >= 1, run["metrics"][1]
     for m in run["metrics"]:
         assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"] == 1e-3
         assert m["sync/direct_load"] == 1.0 and m["sync/retries"] == 0.0
