@@ -108,6 +108,36 @@ def repack_linears(model: torch.nn.Module) -> None:
                 repack(module, False)
 
 
+def remove_stale_shm(directory: str = "/dev/shm", prefix: str = "vllm_dist_",
+                     min_age_s: float = 60.0) -> int:
+    """Remove vLLM's CPU TP communicator files (`vllm_dist_<id>-tp:..-cpushm_<rank>`, 4 MiB each)
+    that no process of ours maps and that are older than min_age_s: an engine that was killed
+    leaves them (a closed one removes its own). Returns how many went."""
+    import glob
+    import time
+
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.rstrip("\n").split(maxsplit=5)[-1].removesuffix(" (deleted)")
+                              for line in f if f"{directory}/{prefix}" in line)
+        except OSError:  # gone, or not ours to read (then its files are not ours to remove)
+            continue
+    removed, now = 0, time.time()
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        path = os.path.join(directory, name)
+        if not name.startswith(prefix) or path in mapped:
+            continue
+        try:
+            if now - os.stat(path).st_mtime >= min_age_s:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def tp_core_binding(tp_size: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for a TP engine's ranks: this process's cores (its own binding
     "a-b" where rlstack set one, else its CPU affinity) split into tp_size runs, "0|1"."""
@@ -198,6 +228,7 @@ class VLLMEngine:
             tp_kwargs = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp",
                              worker_extension_cls="rollout.tp_worker.TPWorker")
             if device == "cpu":  # what the rank processes start with
+                remove_stale_shm()  # killed engines' communicator files
                 self.core_binding = core_binding or tp_core_binding(self.tp_size)
                 if len(self.core_binding.split("|")) != self.tp_size:
                     raise ValueError(f"core_binding={self.core_binding!r} binds "

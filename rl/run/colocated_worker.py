@@ -176,17 +176,19 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         if self.engine is not None:
             spec = TPSpec.from_hf_config(self.engine.hf_config, self.tp_size)
             files = dict(TPSharedWeights.share(self.engine, spec), spec=spec)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, files)
         shared, error = [], None
         try:
-            shared = [TPSharedWeights.open(f["spec"], f) for f in everyone if f is not None]
-        except OSError as e:
-            error = e
-        mapped = torch.tensor([int(error is None)])
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # also: every writer has opened the files
-        if files is not None:
-            TPSharedWeights.unlink(files)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, files)
+            try:
+                shared = [TPSharedWeights.open(f["spec"], f) for f in everyone if f is not None]
+            except OSError as e:
+                error = e
+            mapped = torch.tensor([int(error is None)])
+            dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # also: every writer opened the files
+        finally:  # the memory lives while mapped; a failed peer must not leave the files
+            if files is not None:
+                TPSharedWeights.unlink(files)
         if not int(mapped):
             raise RuntimeError(f"could not map the TP engines' weights in every trainer rank "
                                f"({error or 'another rank failed'}); give the container a "

@@ -81,3 +81,28 @@ def test_a_tp_engine_splits_its_cores_into_a_run_per_rank(monkeypatch):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         assert tp_core_binding(2).split("|")[0].startswith(str(cores[0]))
+
+
+def test_stale_tp_communicator_files_go_mapped_and_new_ones_stay(tmp_path):
+    import mmap
+    import os
+    import time
+
+    from rollout.vllm_engine import remove_stale_shm
+
+    def made(name: str, age_s: float) -> str:
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return str(path)
+
+    stale = made("vllm_dist_a-tp:0-[0-1]-cpushm_0", 600)
+    young = made("vllm_dist_b-tp:0-[0-1]-cpushm_0", 1)
+    other = made("psm_c", 600)
+    in_use = made("vllm_dist_d-tp:0-[0-1]-cpushm_1", 600)
+    with open(in_use, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)  # a live engine's: this process maps it
+    assert remove_stale_shm(str(tmp_path)) == 1
+    assert not os.path.exists(stale)
+    assert all(os.path.exists(p) for p in (young, other, in_use))
+    mapping.close()
