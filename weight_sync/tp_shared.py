@@ -37,15 +37,15 @@ from weight_sync.resharding import TPSpec, copy_into_slice, local_param_slot, sh
 
 
 class TPSharedWeights:
-    """TP rank r's parameters by vLLM name (aliases included) in `views[r]`, mapped here, for
-    the ranks this process writes (every rank in the engine's process; one rank in each
-    colocated trainer rank beside it)."""
+    """TP rank r's memory (`memory[r]`, uint8) and its parameters by vLLM name (aliases
+    included, `views[r]`), mapped here: in the engine's actor, and in every colocated trainer
+    rank of the host."""
 
     def __init__(self, spec: TPSpec, layouts: Mapping[int, EngineLayout],
                  maps: Mapping[int, mmap.mmap]):
-        self.spec, self.layouts, self.maps = spec, dict(layouts), dict(maps)
-        self.views = {r: layout.views(torch.frombuffer(self.maps[r], dtype=torch.uint8))
-                      for r, layout in self.layouts.items()}
+        self.spec, self.layouts, self._maps = spec, dict(layouts), dict(maps)
+        self.memory = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in self._maps.items()}
+        self.views = {r: layout.views(self.memory[r]) for r, layout in self.layouts.items()}
 
     @classmethod
     def create(cls, engine, spec: TPSpec) -> TPSharedWeights:
@@ -79,11 +79,9 @@ class TPSharedWeights:
         return files
 
     @classmethod
-    def open(cls, spec: TPSpec, files: dict, ranks: Iterable[int] | None = None
-             ) -> TPSharedWeights:
-        """Map the files `share` made, for `ranks` (default: all)."""
-        ranks = range(spec.tp_size) if ranks is None else ranks
-        layouts = {r: EngineLayout.decode(files["layouts"][r]) for r in ranks}
+    def open(cls, spec: TPSpec, files: dict) -> TPSharedWeights:
+        """Map the files `share` made, every rank's."""
+        layouts = {r: EngineLayout.decode(files["layouts"][r]) for r in range(spec.tp_size)}
         maps = {r: _map(files["paths"][r], _file_bytes(layout)) for r, layout in layouts.items()}
         if None in maps.values():
             raise OSError(f"could not map the TP ranks' weights in {_shm_dir()} (is every "

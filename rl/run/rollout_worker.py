@@ -98,15 +98,11 @@ class RolloutRole(Role):
         if not self.direct_load or self.device != "cpu":
             return None  # the sender cuts in-place buckets from CPU shared memory only
         if self.engine.tp_size > 1:  # each rank's weights are already in one buffer (tp_shared)
-            import torch
-
             from weight_sync.in_place import encode_layouts, layouts_digest
 
-            shared = self.tp_shared
-            layouts = [shared.layouts[r] for r in range(self.engine.tp_size)]
-            self.packed = (layouts_digest(layouts), [torch.frombuffer(shared.maps[r],
-                                                                      dtype=torch.uint8)
-                                                     for r in range(self.engine.tp_size)])
+            ranks = range(self.engine.tp_size)
+            layouts = [self.tp_shared.layouts[r] for r in ranks]
+            self.packed = (layouts_digest(layouts), [self.tp_shared.memory[r] for r in ranks])
             return encode_layouts(layouts)
         params = self.engine.parameters()
         layout = EngineLayout.of(params)
