@@ -152,11 +152,19 @@ def place_in_engine(engine: EngineLayout, trainer: list[tuple[str, list[int]]],
 def plan_in_place(engines: list[EngineLayout], trainer: list[tuple[str, list[int]]],
                   trainer_aliases: Mapping[str, str], spec: TPSpec, bucket_bytes: int
                   ) -> list[BucketMeta]:
-    """Buckets that tile the engine's buffer (at TP > 1, each rank's buffer in turn: `engines`
-    by TP rank), each TensorMeta an HF tensor or its slice (see `place_in_engine`) at its
-    offset in its bucket; every byte but the padding covered."""
-    return [bucket for rank, engine in enumerate(engines)
-            for bucket in _plan_rank(engine, trainer, trainer_aliases, spec, bucket_bytes, rank)]
+    """Buckets that tile the engine's buffer, each TensorMeta an HF tensor or its slice (see
+    `place_in_engine`) at its offset in its bucket; every byte but the padding covered.
+
+    At TP > 1 (`engines` by TP rank) each rank's buffer is cut into buckets, taken in rounds:
+    rank 0's bucket j, rank 1's bucket j, ...; the trainer ranks write a round before one
+    barrier (`weight_sync.transport.rounds`). Bucket by bucket, one trainer rank wrote while
+    the other waited: the rows of a column-parallel slice lie in one trainer rank's ZeRO-3
+    shard. (Measured with bench-100m at TP 2, rank by rank then rounds: 0.29-0.30 s, then
+    0.28-0.29 s, TP 1 0.26-0.29 s; rounds of half-size buckets were slower, 0.31-0.32 s.)"""
+    per_rank = [_plan_rank(engine, trainer, trainer_aliases, spec, bucket_bytes, rank)
+                for rank, engine in enumerate(engines)]
+    return [buckets[j] for j in range(max(map(len, per_rank)))
+            for buckets in per_rank if j < len(buckets)]
 
 
 def _plan_rank(engine: EngineLayout, trainer: list[tuple[str, list[int]]],

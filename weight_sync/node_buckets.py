@@ -8,9 +8,13 @@ byte is written once, by its owner, all ranks at the same time: no collective ca
 and nothing is reassembled. (DeepSpeed's all-gather gives every rank a private full copy, and
 cost about 4.5x a memcpy of the bytes on this 2-core machine.)
 
-Two slots alternate: bucket k+1 is written while bucket k is read (loaded into a colocated
-engine, or on the wire to disaggregated engines). The reader of bucket k must be done with it
-before its own rank enters the barrier of bucket k+1; then no rank writes bucket k+2 over it.
+Buckets are written in rounds, one barrier each: a round is one bucket, or at TP > 1 one
+bucket of each TP rank (`weight_sync.in_place.plan_in_place`). Three rounds of slots rotate:
+round j+1 is written while round j is checksummed and put on the wire behind round j-1, still
+in flight (with two, the wire stood idle while each bucket was checksummed). The reader of
+round j must be done with it before its own rank enters the barrier of round j+2; then no rank
+writes round j+3 over it.
+
 Parameters kept whole on every rank (ZeRO-1/2) are split into equal element ranges the same way.
 
 CPU only (the slots are host memory) and one machine only: `NodeBuckets.create` returns None
@@ -148,38 +152,45 @@ def shared_memory(nbytes: int) -> tuple[mmap.mmap, torch.Tensor] | None:
 
 
 class NodeBuckets:
-    """Two shared-memory slots of `slot_bytes`, mapped by every trainer rank of one machine."""
+    """`ROUNDS` x `per_round` shared-memory slots of `slot_bytes`, mapped by every trainer rank
+    of one machine; bucket k goes to slot k % (ROUNDS * per_round)."""
 
-    def __init__(self, slot_bytes: int, mapped: tuple[mmap.mmap, torch.Tensor]):
+    ROUNDS = 3
+
+    def __init__(self, slot_bytes: int, per_round: int, mapped: tuple[mmap.mmap, torch.Tensor]):
         import torch.distributed as dist
 
-        self.slot_bytes, self.rank, self.world = slot_bytes, dist.get_rank(), dist.get_world_size()
+        self.slot_bytes, self.per_round = slot_bytes, per_round
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._map, memory = mapped
-        self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
+        self.slots = [memory[i * slot_bytes:(i + 1) * slot_bytes]
+                      for i in range(self.ROUNDS * per_round)]
 
     @classmethod
-    def create(cls, slot_bytes: int) -> NodeBuckets | None:
+    def create(cls, slot_bytes: int, per_round: int = 1) -> NodeBuckets | None:
         """Collective over the default process group (the trainer world): every rank calls it.
         None when the ranks are not all on this host, or the slots do not fit in memory."""
-        mapped = shared_memory(2 * slot_bytes) if same_host() else None
-        return cls(slot_bytes, mapped) if mapped is not None else None
+        nbytes = cls.ROUNDS * per_round * slot_bytes
+        mapped = shared_memory(nbytes) if same_host() else None
+        return cls(slot_bytes, per_round, mapped) if mapped is not None else None
 
     @classmethod
-    def reuse(cls, current: NodeBuckets | None | bool, slot_bytes: int):
-        """`current` if its slots are big enough, else new ones (collective; every rank decides
-        alike from the same layout). False stays False: ranks on several hosts."""
-        if current is False or (current is not None and current.slot_bytes >= slot_bytes):
+    def reuse(cls, current: NodeBuckets | None | bool, slot_bytes: int, per_round: int = 1):
+        """`current` if it has enough slots big enough, else new ones (collective; every rank
+        decides alike from the same layout). False stays False: ranks on several hosts."""
+        if current is False or (current is not None and current.slot_bytes >= slot_bytes
+                                and current.per_round >= per_round):
             return current
-        return cls.create(slot_bytes) or False
+        return cls.create(slot_bytes, per_round) or False
 
     def write(self, index: int, bucket: BucketMeta, params: list[torch.nn.Parameter]
               ) -> torch.Tensor:
         """Write this rank's parts of bucket `index` into its slot; returns the slot's
-        nbytes + TRAILER bytes, whole only after `publish()`."""
+        nbytes + TRAILER bytes, whole only after the `publish()` that ends its round."""
         if bucket.nbytes + TRAILER > self.slot_bytes:
             raise ValueError(f"bucket of {bucket.nbytes} bytes does not fit a slot of "
                              f"{self.slot_bytes}; create the NodeBuckets from this layout")
-        slot = self.slots[index % 2][:bucket.nbytes + TRAILER]
+        slot = self.slots[index % len(self.slots)][:bucket.nbytes + TRAILER]
         if self.rank == 0:  # the gaps (alignment, padding rows): defined bytes for checksums
             end = 0
             for meta in bucket.tensors:
@@ -192,7 +203,7 @@ class NodeBuckets:
 
     @staticmethod
     def publish() -> None:
-        """Every rank has written its parts of the bucket (and is done with the one before)."""
+        """Every rank has written its parts of round j (and is done reading round j-2)."""
         import torch.distributed as dist
 
         dist.barrier()

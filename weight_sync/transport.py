@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -52,7 +53,7 @@ class WeightTransport(ABC):
 
 class LocalTransport(WeightTransport):
     """Colocated: `send` prepares a lazy bucketed iterator, `receive` (same process) drains it
-    into the engine, so at most one bucket of gathered weights exists at a time (two slots with
+    into the engine, so at most one bucket of gathered weights exists at a time (three slots with
     `shared`).
 
     `shared`: trainer ranks on one CPU machine assemble buckets in shared memory
@@ -106,7 +107,8 @@ def _shared_slots(shared: NodeBuckets | None | bool, module: torch.nn.Module,
             or next(module.parameters()).device.type != "cpu" \
             or (not alone_too and dist.get_world_size() == 1):
         return False
-    return NodeBuckets.reuse(shared, max(b.nbytes for b in layout.buckets) + TRAILER)
+    return NodeBuckets.reuse(shared, max(b.nbytes for b in layout.buckets) + TRAILER,
+                             max(map(len, rounds(layout.buckets))))
 
 
 def _with_aliases(pairs, aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -235,42 +237,49 @@ class BroadcastTransport(WeightTransport):
         if group is not None:
             group.broadcast_bytes(layout.encode())
         stats = SyncStats()
-        in_flight = shard_gather = None
+        in_flight: deque = deque()  # (round, broadcast) not yet waited for, oldest first
+        shard_gather = None
         if group is not None and layout.buckets and not self.shared:
-            # two buffers, reused: bucket k is filled while bucket k-1 is on the wire (fresh
-            # memory for every bucket paid a page fault per 4 KiB, ~0.2 s per 400 MB here)
+            # reused buffers: bucket k is filled while buckets k-1 and k-2 are on the wire
+            # (fresh memory for every bucket paid a page fault per 4 KiB, ~0.2 s per 400 MB)
             size = max(b.nbytes for b in layout.buckets) + TRAILER
-            pool = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        for index, bucket in enumerate(layout.buckets):
-            params = [by_name[m.name] for m in bucket.tensors]
+            pool = [torch.empty(size, dtype=torch.uint8, device=group.device)
+                    for _ in range(NodeBuckets.ROUNDS)]
+        for j, members in enumerate(rounds(layout.buckets)):
             t0 = time.perf_counter()
             if self.shared:
-                buffer = self.shared.write(index, bucket, params)
-                if in_flight is not None:  # its slot is next written once all pass publish()
-                    t0 += _wait(in_flight, stats)
-                    in_flight = None
+                buffers = [self.shared.write(k, layout.buckets[k],
+                                             [by_name[m.name] for m in layout.buckets[k].tensors])
+                           for k in members]
+                # past this barrier the other ranks write round j+1 over round j-2's slots
+                t0 += _wait_until(in_flight, j - 1, stats)
                 self.shared.publish()
-            else:
-                buffer = None if group is None else pool[index % 2][:bucket.nbytes + TRAILER]
-                shard_gather = _assemble(bucket, params, buffer, shard_gather)
-            if group is not None:
-                in_flight = self._post(buffer, bucket, index == corrupt_bucket, in_flight, t0,
-                                       stats)
-        if in_flight is not None:
-            _wait(in_flight, stats)
+            else:  # one bucket a round (the trainer's own layout)
+                (k,) = members
+                buffers = [None]
+                if group is not None:  # this buffer held bucket k-ROUNDS
+                    t0 += _wait_until(in_flight, k - NodeBuckets.ROUNDS + 1, stats)
+                    buffers = [pool[k % len(pool)][:layout.buckets[k].nbytes + TRAILER]]
+                shard_gather = _assemble(layout.buckets[k],
+                                         [by_name[m.name] for m in layout.buckets[k].tensors],
+                                         buffers[0], shard_gather)
+            if group is None:
+                continue
+            for k, buffer in zip(members, buffers):
+                in_flight.append((j, self._post(buffer, layout.buckets[k], k == corrupt_bucket,
+                                                t0, stats)))
+                t0 = time.perf_counter()  # the round's assembly counts once
+        _wait_until(in_flight, len(layout.buckets), stats)
         return stats
 
-    def _post(self, buffer: torch.Tensor, bucket, corrupt: bool, in_flight, t0: float,
-              stats: SyncStats):
-        """Checksum the assembled bucket into its trailer and put it on the wire once the
-        bucket before it is off (at most two exist); returns its broadcast's work."""
+    def _post(self, buffer: torch.Tensor, bucket, corrupt: bool, t0: float, stats: SyncStats):
+        """Checksum the assembled bucket into its trailer and queue it on the wire behind the
+        buckets still in flight; returns its broadcast's work."""
         t1 = time.perf_counter()
         write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
         if corrupt:
             buffer[:min(8, bucket.nbytes)] ^= 0x5A
         t2 = time.perf_counter()
-        if in_flight is not None:
-            in_flight.wait()
         work = self.group.broadcast(buffer)
         stats.add_time("gather", t1 - t0)
         stats.add_time("checksum", t2 - t1)
@@ -323,7 +332,8 @@ class BroadcastTransport(WeightTransport):
 
         def post(k: int):
             bucket = layout.buckets[k]
-            if in_place:  # its trailer lands on bucket k+1's first bytes: read before k+1
+            if in_place:  # its trailer lands on the first bytes of its TP rank's next
+                # bucket (k+1 at TP 1, k+TP at TP > 1): read before that is posted
                 memory = packed[1][bucket.rank] if isinstance(packed[1], list) else packed[1]
                 buffer = memory[bucket.start:bucket.start + bucket.nbytes + TRAILER]
             else:
@@ -336,7 +346,7 @@ class BroadcastTransport(WeightTransport):
             buffer, work = pending
             t0 = time.perf_counter()
             work.wait()
-            # in place, bucket k+1 overwrites this trailer; elsewhere reading it before
+            # in place, its rank's next bucket overwrites this trailer; elsewhere reading it before
             # posting k+1 would make a GPU wait before the next broadcast is queued
             sent = read_trailer(buffer, bucket) if in_place else None
             pending = post(k + 1) if k + 1 < len(layout.buckets) else None  # next on the wire
@@ -358,10 +368,24 @@ class BroadcastTransport(WeightTransport):
                 yield from _with_aliases(unflatten(buffer, bucket), layout.aliases)
 
 
-def _wait(work, stats: SyncStats) -> float:
-    """Wait for a broadcast; the seconds waited count as wire time."""
+def rounds(buckets: list) -> list[list[int]]:
+    """The bucket indices of each round the trainer ranks write before one barrier: a bucket
+    alone, or in-place buckets of TP ranks 0, 1, ... in turn (`plan_in_place`)."""
+    out: list[list[int]] = []
+    for k, bucket in enumerate(buckets):
+        if out and bucket.rank > buckets[out[-1][-1]].rank:
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return out
+
+
+def _wait_until(in_flight: deque, first: int, stats: SyncStats) -> float:
+    """Wait for the broadcasts of every round before `first`; the seconds waited count as wire
+    time."""
     t0 = time.perf_counter()
-    work.wait()
+    while in_flight and in_flight[0][0] < first:
+        in_flight.popleft()[1].wait()
     waited = time.perf_counter() - t0
     stats.add_time("wire", waited)
     return waited

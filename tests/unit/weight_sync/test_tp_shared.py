@@ -96,12 +96,13 @@ def test_a_trainer_rank_that_skipped_its_part_leaves_slices_unfilled(vllm_tp):
 @pytest.mark.parametrize("heads,kv_heads,tp_size", [(4, 4, 2), (8, 2, 4)])
 def test_in_place_buckets_of_tp_ranks_rebuild_each_rank(vllm_tp, heads, kv_heads, tp_size,
                                                          bucket_bytes, world):
-    """Disaggregated, in place: buckets tile each TP rank's buffer in turn; the trainer ranks
+    """Disaggregated, in place: buckets tile each TP rank's buffer, in rounds; the trainer ranks
     write their parts of each bucket's slices (node_buckets.write_shards, gaps zeroed as
     NodeBuckets does) and each bucket lands at its place in its rank's buffer."""
     from weight_sync.in_place import plan_in_place
     from weight_sync.layout import TRAILER
     from weight_sync.node_buckets import write_shards
+    from weight_sync.transport import rounds
 
     hf = _hf(heads, kv_heads)
     spec = TPSpec(tp_size, heads, kv_heads, HEAD_DIM, INTERMEDIATE, VOCAB)
@@ -118,6 +119,11 @@ def test_in_place_buckets_of_tp_ranks_rebuild_each_rank(vllm_tp, heads, kv_heads
         for rank in range(world):
             write_shards(slot, b.tensors, [params[m.name] for m in b.tensors], rank, world)
         flats[b.rank][b.start:b.start + b.nbytes] = slot[:b.nbytes]
+    # taken in rounds, rank 0's bucket j then rank 1's ...: the trainer ranks write a round
+    # before one barrier (weight_sync.transport.rounds)
+    per_rank = [sum(b.rank == r for b in buckets) for r in range(tp_size)]
+    assert [[buckets[k].rank for k in members] for members in rounds(buckets)] == [
+        [r for r in range(tp_size) if per_rank[r] > j] for j in range(max(per_rank))]
     for r, (layout, ref) in enumerate(zip(layouts, references)):
         mine = [b for b in buckets if b.rank == r]
         assert mine[0].start == 0 and mine[-1].start + mine[-1].nbytes == layout.nbytes
