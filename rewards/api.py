@@ -10,14 +10,21 @@ from typing import Callable
 REWARDS: dict[str, Callable] = {}
 
 
-def register(name: str):
-    """Register a built-in reward under `name`."""
-    def wrap(fn):
-        if name in REWARDS:
-            raise ValueError(f"reward '{name}' is registered twice; pick another name")
-        REWARDS[name] = fn
-        return fn
-    return wrap
+def registrar(table: dict, kind: str):
+    """A `@register(name)` decorator that puts what it wraps into `table` (envs/ makes its own
+    from this); a name registered twice is an error."""
+    def register(name: str):
+        def wrap(obj):
+            if name in table:
+                raise ValueError(f"{kind} '{name}' is registered twice; pick another name")
+            table[name] = obj
+            return obj
+        return wrap
+    return register
+
+
+register = registrar(REWARDS, "reward")
+"Register a built-in reward under `name`."
 
 
 def batched(fn):

@@ -40,31 +40,41 @@ def known_names() -> list[str]:
     return sorted(set(REWARDS) | set(_entry_point_names()))
 
 
-def _from_file(spec: str) -> Callable:
+def from_file(spec: str, kind: str = "reward") -> Callable:
+    """The attribute `path/to/file.py:name` names (a function, or a class); `kind` names what
+    is looked for in errors (envs/ loads its environments through this too)."""
     path, _, attr = spec.rpartition(":")
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ValueError(f"reward '{spec}': file '{file}' does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"_reward_{file.stem}", file)
+        raise ValueError(f"{kind} '{spec}': file '{file}' does not exist")
+    module_spec = importlib.util.spec_from_file_location(f"_{kind}_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward '{spec}': '{file}' has no function '{attr}'")
+        raise ValueError(f"{kind} '{spec}': '{file}' has no function or class '{attr}'")
     return fn
 
 
-def _from_module(spec: str) -> Callable:
+def from_module(spec: str, kind: str = "reward") -> Callable:
+    """The attribute `module:name` names, importing the module."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward '{spec}': cannot import module '{module_name}' ({e}); "
+        raise ValueError(f"{kind} '{spec}': cannot import module '{module_name}' ({e}); "
                          f"is it installed or on PYTHONPATH?") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward '{spec}': module '{module_name}' has no function '{attr}'")
+        raise ValueError(f"{kind} '{spec}': module '{module_name}' has no function or class "
+                         f"'{attr}'")
     return fn
+
+
+def from_spec(spec: str, kind: str = "reward") -> Callable:
+    """`path/to/file.py:name` or `module:name`."""
+    return (from_file(spec, kind) if spec.rpartition(":")[0].endswith(".py")
+            else from_module(spec, kind))
 
 
 def resolve(spec: str) -> Callable:
@@ -80,6 +90,6 @@ def resolve(spec: str) -> Callable:
             raise ValueError(f"reward '{spec}': entry point {eps[spec].value} is not callable")
         return fn
     if ":" in spec:
-        return _from_file(spec) if spec.rpartition(":")[0].endswith(".py") else _from_module(spec)
+        return from_spec(spec)
     raise ValueError(f"reward '{spec}' is not registered; known: {', '.join(known_names())} "
                      f"(or give module:function or path/to/file.py:function)")

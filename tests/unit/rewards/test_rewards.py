@@ -127,7 +127,7 @@ def test_resolve_errors_say_the_fix(tmp_path):
         resolve("mathh")
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         resolve("no_such_mod:f")
-    with pytest.raises(ValueError, match="has no function 'nope'"):
+    with pytest.raises(ValueError, match="has no function or class 'nope'"):
         resolve("rewards.builtin:nope")
     with pytest.raises(ValueError, match="does not exist"):
         resolve(f"{tmp_path}/missing.py:f")
