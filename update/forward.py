@@ -43,7 +43,7 @@ def full_layout(mb: dict) -> dict:
     if not is_shared(mb):
         return mb
     index = mb["prompt_index"]
-    response_attention = mb["response_mask"].long()
+    response_attention = mb["response_attention_mask"].long()
     attention_mask = torch.cat([mb["prompt_attention_mask"][index], response_attention], 1)
     out = {k: v for k, v in mb.items()
            if k not in ("prompt_ids", "prompt_attention_mask", "prompt_index", "response_ids")}
@@ -83,7 +83,8 @@ def _shared_prompt_logits(model, mb: dict, dev) -> torch.Tensor:
     for layer, kv in enumerate(out.past_key_values.layers):
         cache.update(kv.keys[index], kv.values[index], layer)
     inputs = responses[:, :-1]  # the last response token scores nothing
-    attention = torch.cat([prompt_mask[index], mb["response_mask"][:, :-1].to(dev).long()], 1)
+    attention = torch.cat([prompt_mask[index],
+                           mb["response_attention_mask"][:, :-1].to(dev).long()], 1)
     start = prompt_mask.sum(-1)[index]  # positions count real tokens only, as the engine does
     positions = start[:, None] + torch.arange(r - 1, device=dev)[None, :]
     rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
@@ -134,6 +135,7 @@ def check_shared_prompts(model, vocab_size: int) -> tuple[float, str]:
     for i, ids in enumerate(responses):
         shared["response_ids"][i, :len(ids)] = torch.tensor(ids)
         shared["response_mask"][i, :len(ids)] = 1.0
+    shared["response_attention_mask"] = shared["response_mask"].clone()
     full = full_layout(shared)
     with torch.no_grad():
         try:

@@ -51,16 +51,20 @@ def last_token_rewards(inputs: AdvantageInputs) -> torch.Tensor:
     mask = inputs.response_mask
     rewards = torch.zeros_like(mask) if inputs.token_rewards is None else \
         inputs.token_rewards * mask
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    # the last model token (environment tokens of a multi-turn response are 0 in the mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, 0).amax(-1)
     return rewards.scatter_add(1, last.view(-1, 1), inputs.scores.view(-1, 1).to(mask.dtype))
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float):
-    """G_t = sum_{s >= t} gamma^(s-t) r_s over the response: [B, T] -> [B, T]."""
+    """G_t = sum_{s >= t} gamma^(s-t) r_s over the model's tokens of the response (s and t
+    count model tokens: the environment's, mask 0, are stepped over): [B, T] -> [B, T]."""
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running * mask[:, t]
+        m = mask[:, t]
+        running = m * (rewards[:, t] + gamma * running) + (1 - m) * running
         out[:, t] = running
     return out * mask
 
@@ -115,6 +119,8 @@ def gae(inputs: AdvantageInputs, cfg: AlgorithmConfig):
 
     delta_t = r_t + gamma V_{t+1} - V_t (V = 0 after the last token);
     A_t = delta_t + gamma lambda A_{t+1}; returns = A + V; advantages whitened over the batch.
+    t runs over the model's tokens: t+1 is the next one the model sampled, past any
+    environment tokens of a multi-turn response between them (mask 0, no advantage).
     """
     if inputs.values is None:
         raise ValueError("advantage 'gae' needs critic values: use it with a critic "
@@ -122,12 +128,14 @@ def gae(inputs: AdvantageInputs, cfg: AlgorithmConfig):
     mask = inputs.response_mask
     rewards, values = last_token_rewards(inputs), inputs.values * mask
     adv = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
+    running, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        m = mask[:, t]
         delta = rewards[:, t] + cfg.gamma * next_value - values[:, t]
-        running = (delta + cfg.gamma * cfg.lam * running * mask[:, t]) * mask[:, t]
-        adv[:, t] = running
+        here = delta + cfg.gamma * cfg.lam * running
+        adv[:, t] = m * here
+        running = m * here + (1 - m) * running  # carried over environment tokens and pads
+        next_value = m * values[:, t] + (1 - m) * next_value
     returns = (adv + values) * mask
     return whiten(adv, mask), returns
 

@@ -6,6 +6,12 @@ starts at column P: token-level tensors are response-only, [B, R], entry j belon
 token j, and the trainer computes logits for the response positions only (not the prompts',
 which for a real vocabulary are most of the logits' memory and time). With shared prompts the
 tokens come as each distinct prompt once, [G, P], and the responses, [B, R] (update.forward).
+
+A multi-turn trajectory is one Sample: its response holds the model's turns and, between them,
+the environment's observation tokens; `loss_mask` marks the model's (1) against the
+environment's (0). The collated `response_mask` [B, R] is that mask (pads 0): every loss, KL,
+entropy, advantage and token count reads it, so observation tokens take no part; only
+attention reads `response_attention_mask` (every response token, observations included).
 """
 from __future__ import annotations
 
@@ -38,6 +44,16 @@ class Sample:
     values: list[float] = field(default_factory=list)
     policy_version: int = 0  # the version of the engine that generated its first token
     token_versions: list[int] = field(default_factory=list)  # per token (async modes only)
+    # per response token: 1 the model's, 0 the environment's (multi-turn); [] all the model's
+    loss_mask: list[int] = field(default_factory=list)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled (what losses, lengths and throughput count)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
+
+    def model_token_mask(self) -> list[int]:
+        return self.loss_mask or [1] * len(self.response_ids)
 
 
 def right_padded(rows: list[list], width: int, pad, dtype) -> torch.Tensor:
@@ -57,23 +73,23 @@ def collate(samples: list[Sample], pad_id: int, share_prompts: bool = False) -> 
     distinct prompt once, left-padded), prompt_index [B] and response_ids [B, R]; both with
     response_mask and the token fields [B, R]."""
     r_max = max(len(s.response_ids) for s in samples)
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
-    response_mask = (torch.arange(r_max)[None, :] < lengths[:, None]).float()
+    attention = response_attention(samples, r_max)
+    masks = {"response_mask": response_mask(samples, r_max),
+             "response_attention_mask": attention.float()}
     present = [f for f in TOKEN_FIELDS if all(getattr(s, f) for s in samples)]
     tokens = {f: right_padded([getattr(s, f) for s in samples], r_max, 0.0, torch.float32)
               for f in present}
     if share_prompts:
-        return {**_shared_prompt_tokens(samples, pad_id, r_max), "response_mask": response_mask,
-                **tokens}
+        return {**_shared_prompt_tokens(samples, pad_id, r_max), **masks, **tokens}
     p_max = max(len(s.prompt_ids) for s in samples)
     prompts = left_padded([s.prompt_ids for s in samples], p_max, pad_id, torch.long)
     responses = right_padded([s.response_ids for s in samples], r_max, pad_id, torch.long)
     prompt_mask = left_padded([[1] * len(s.prompt_ids) for s in samples], p_max, 0, torch.long)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    attention_mask = torch.cat([prompt_mask, attention], 1)
     # positions count real tokens only, as in the rollout engine (left pads do not shift them)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
-            "position_ids": position_ids, "response_mask": response_mask, **tokens}
+            "position_ids": position_ids, **masks, **tokens}
 
 
 def _shared_prompt_tokens(samples: list[Sample], pad_id: int, r_max: int) -> dict:
@@ -141,7 +157,7 @@ def plan_update(samples: list[Sample], world_size: int, num_mini_batches: int,
         random.Random(seed).shuffle(order)
     plan = UpdatePlan([], [])
     for mini in chunk(order, num_mini_batches):
-        plan.counts.append(BatchCounts(num_tokens=float(sum(len(s.response_ids) for s in mini)),
+        plan.counts.append(BatchCounts(num_tokens=float(sum(s.num_model_tokens for s in mini)),
                                        num_seqs=float(len(mini))))
         plan.mini_batches.append([[collate(m, pad_id, share_prompts) for m in micros]
                                   for micros in split_ranks(mini, world_size, grad_accum)])
@@ -154,10 +170,17 @@ def padded(samples: list[Sample], name: str) -> torch.Tensor:
     return right_padded([getattr(s, name) for s in samples], width, 0.0, torch.float32)
 
 
-def response_mask(samples: list[Sample]) -> torch.Tensor:
-    width = max(len(s.response_ids) for s in samples)
+def response_attention(samples: list[Sample], width: int | None = None) -> torch.Tensor:
+    """[B, R] long: 1 on every response token (the model's and the environment's), 0 on pads."""
+    width = max(len(s.response_ids) for s in samples) if width is None else width
     return (torch.arange(width)[None, :] <
-            torch.tensor([len(s.response_ids) for s in samples])[:, None]).float()
+            torch.tensor([len(s.response_ids) for s in samples])[:, None]).long()
+
+
+def response_mask(samples: list[Sample], width: int | None = None) -> torch.Tensor:
+    """[B, R] float: 1 on the model's response tokens, 0 on the environment's and on pads."""
+    width = max(len(s.response_ids) for s in samples) if width is None else width
+    return right_padded([s.model_token_mask() for s in samples], width, 0, torch.float32)
 
 
 def reduce_rank_metrics(results: list[dict]) -> dict:

@@ -95,7 +95,7 @@ class Controller(RunLifecycle):
             [self.prompts.rows[s.row] for s in samples], [s.text for s in samples])
         for s, r in zip(samples, rewards):
             s.reward = r
-            s.score = r + overlong_penalty(len(s.response_ids), max_len, algo.overlong_buffer,
+            s.score = r + overlong_penalty(s.num_model_tokens, max_len, algo.overlong_buffer,
                                            algo.overlong_penalty)
         return metrics
 

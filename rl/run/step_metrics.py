@@ -6,7 +6,7 @@ from rl.algo.batch import Sample
 
 
 def sample_metrics(samples: list[Sample]) -> dict:
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [s.num_model_tokens for s in samples]  # the model's tokens (not the env's)
     return {"response/length_mean": sum(lengths) / len(lengths),
             "response/clip_ratio": sum(s.finish_reason == "length" for s in samples)
             / len(samples)}
@@ -32,7 +32,7 @@ def time_metrics(step: int, batch, t0: float, t1: float, t2: float, t3: float,
                "time/reward": batch.seconds_reward, "time/update": t2 - t1, "time/sync": t3 - t2,
                "time/step": t3 - t0, "throughput/tokens_per_s": tokens / (t3 - t0)}
     if not streaming:
-        metrics["rollout/tokens_per_s"] = (sum(len(s.response_ids) for s in batch.all_samples)
+        metrics["rollout/tokens_per_s"] = (sum(s.num_model_tokens for s in batch.all_samples)
                                            / batch.seconds_generate)
     return metrics
 

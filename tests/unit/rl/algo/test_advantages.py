@@ -120,3 +120,30 @@ def test_errors():
         adv([0, 1], [1, 1], 2, AlgorithmConfig(advantage="x"))
     with pytest.raises(ValueError, match="needs critic values"):
         adv([0, 1], [1, 1], 2, AlgorithmConfig(advantage="gae", critic=True))
+
+
+@pytest.mark.parametrize("advantage", ["gae", "reinforce_pp", "grpo"])
+def test_multi_turn_environment_tokens_are_stepped_over(advantage):
+    """A multi-turn response with environment tokens (mask 0) between the model's turns gets,
+    on its model tokens, exactly what the model tokens alone would get (GAE's t+1 is the next
+    model token), and nothing on the environment's; the score lands on the last model token."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0],    # two observations, padded end
+                         [1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1]]).float()
+    scores, values = torch.tensor([1.0, -0.5]), torch.randn(2, 11, generator=g)
+    token_rewards = 0.1 * torch.randn(2, 11, generator=g)
+    cfg = AlgorithmConfig(advantage=advantage, critic=advantage == "gae", gamma=0.9, lam=0.8)
+    a, ret = compute_advantages(AdvantageInputs(scores, mask, 2, token_rewards, values), cfg)
+    keep = [mask[i].bool() for i in range(2)]
+    n = max(int(k.sum()) for k in keep)
+    packed = torch.zeros(2, n)  # the model's tokens alone, left-aligned
+    pv, pr = torch.zeros(2, n), torch.zeros(2, n)
+    for i, k in enumerate(keep):
+        m = int(k.sum())
+        packed[i, :m], pv[i, :m], pr[i, :m] = 1, values[i][k], token_rewards[i][k]
+    b, ret_b = compute_advantages(AdvantageInputs(scores, packed, 2, pr, pv), cfg)
+    for i, k in enumerate(keep):
+        m = int(k.sum())
+        assert a[i][k].tolist() == pytest.approx(b[i, :m].tolist(), abs=1e-5), advantage
+        assert ret[i][k].tolist() == pytest.approx(ret_b[i, :m].tolist(), abs=1e-5), advantage
+        assert a[i][~k].abs().sum() == 0 and ret[i][~k].abs().sum() == 0

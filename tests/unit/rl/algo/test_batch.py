@@ -1,5 +1,6 @@
 """Padded micro-batches and the split of a rollout batch over mini-batches, ranks, micro-batches."""
 import pytest
+import torch
 
 from rl.algo.batch import Sample, chunk, collate, plan_update, response_slice
 
@@ -177,3 +178,47 @@ def test_plan_update_with_shared_prompts_keeps_each_group_in_one_micro_batch():
     for mb in micro_batches:  # 4 samples of one prompt: one prompt row each
         assert mb["prompt_ids"].shape[0] == 1 and mb["prompt_index"].tolist() == [0] * 4
     assert sum(c.num_tokens for c in plan.counts) == sum(len(s.response_ids) for s in samples)
+
+
+def multi_turn(prompt, turns):
+    """A trajectory whose response is the model's turns with environment tokens between them:
+    turns = [(tokens, is_model), ...]."""
+    ids = [t for tokens, _ in turns for t in tokens]
+    mask = [int(model) for tokens, model in turns for _ in tokens]
+    return Sample(0, 0, prompt, ids, [0.0] * len(ids), "stop", "", loss_mask=mask)
+
+
+def test_environment_tokens_are_attended_to_but_take_no_part_in_the_loss():
+    s = multi_turn([5, 6], [([8, 9], True), ([20, 21, 22], False), ([10], True)])
+    assert s.num_model_tokens == 3
+    for shared in (False, True):
+        b = collate([s, sample([5], [4, 7])], pad_id=0, share_prompts=shared)
+        assert b["response_mask"].tolist() == [[1, 1, 0, 0, 0, 1], [1, 1, 0, 0, 0, 0]]
+        assert b["response_attention_mask"].tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+        if not shared:
+            assert b["attention_mask"][0].tolist() == [1, 1] + [1] * 6
+    plan = plan_update([s, sample([5], [4, 7])], world_size=1, num_mini_batches=1,
+                       grad_accum=1, pad_id=0, seed=0)
+    assert plan.counts[0].num_tokens == 3 + 2  # the model's tokens only
+
+
+def test_shared_prompt_forward_attends_to_environment_tokens(tiny_lm):
+    """The shared layout's logits equal the full layout's on a multi-turn batch: both attend
+    to the environment's tokens (were the loss mask used for attention, a model token after an
+    observation would not see it)."""
+    from update.forward import full_layout, response_logits
+
+    samples = [multi_turn([5, 6, 7], [([8, 9], True), ([20, 21, 22], False), ([10, 11], True)]),
+               multi_turn([5, 6, 7], [([12], True), ([30, 31], False), ([13], True)])]
+    shared = collate(samples, pad_id=0, share_prompts=True)
+    full = full_layout(shared)
+    with torch.no_grad():
+        a, b = response_logits(tiny_lm, shared), response_logits(tiny_lm, full)
+    attended = shared["response_attention_mask"].bool()
+    assert torch.allclose(a[attended], b[attended], atol=1e-5)
+    blind = dict(full, attention_mask=torch.cat([torch.ones(2, 3, dtype=torch.long),
+                                                 shared["response_mask"].long()], 1))
+    with torch.no_grad():
+        c = response_logits(tiny_lm, blind)
+    after = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0, 0]]).bool()
+    assert not torch.allclose(a[after], c[after], atol=1e-3)  # the test can tell the two apart
