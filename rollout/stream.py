@@ -16,12 +16,44 @@ them (the behavior logprob). A sync first pauses the loop between two steps:
 
 While paused the engine holds no request, so the caller may score a probe on it (vLLM's
 blocking `generate`) before `resume` lets generation go on under the new version.
+
+Multi-turn (`turns`, a TurnHandler): when a model turn ends, the handler steps the
+trajectory's environment in a worker thread (the engine goes on stepping the others: no turn
+barrier); its observation tokens are appended after the sampled ones (logprob 0, loss mask 0,
+never re-tokenized) and the trajectory goes back into the engine as a new request, like a
+sequence cut by a sync, until the handler says done, the environment fails, or the token
+budget (max_new_tokens: the model's and the environment's tokens together) is spent.
 """
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class TurnResult:
+    """What the environment made of one model turn."""
+
+    observation: list[int] = field(default_factory=list)
+    "Token ids to append before the next model turn (the template's delta); [] when done."
+    done: bool = False
+    info: dict = field(default_factory=dict)
+    "Counts summed over the trajectory (tool_calls, tool_errors, env_seconds, ...)."
+    truncated: bool = False
+    "Ended by a limit (turns), not by the model's answer."
+    error: str = ""
+    "Why the environment failed (raised, timed out, returned garbage): the trajectory ends."
+
+
+class TurnHandler(Protocol):
+    def start(self, key: object, index: int) -> object:
+        """The state (e.g. an environment) of sample `index` of group `key`, made at submit."""
+
+    def step(self, state: object, turn_ids: list[int], finish_reason: str) -> TurnResult:
+        """Step the environment with the model turn just sampled; runs in a worker thread."""
 
 
 @dataclass
@@ -38,14 +70,28 @@ class _Sample:
     finish_reason: str = ""
     segments: int = 0  # engine requests so far (1 + the times it was interrupted)
     seen: int = 0  # tokens of the current engine request already recorded
+    # multi-turn: 1 per model token, 0 per environment token; where the current turn starts
+    mask: list[int] = field(default_factory=list)
+    turn_start: int = 0
+    turns: int = 0  # model turns finished
+    state: object = None  # the TurnHandler's (the trajectory's environment)
+    info: dict = field(default_factory=dict)
+    truncated: bool = False
+    error: str = ""
 
 
 class GenerationLoop:
     """Feeds `submit`ted groups to `engine` (a rollout.vllm_engine.VLLMEngine) and steps it
     until the loop is paused or stopped; `collect` returns finished groups."""
 
-    def __init__(self, engine, version: int, n: int, max_new_tokens: int):
+    def __init__(self, engine, version: int, n: int, max_new_tokens: int,
+                 turns: TurnHandler | None = None, turn_tokens: int | None = None,
+                 env_workers: int = 16):
+        """`turns`: multi-turn (module docstring); `turn_tokens`: the most tokens of one model
+        turn (None: max_new_tokens); `env_workers`: environment steps run at once."""
         self.engine, self.version, self.n, self.max_new_tokens = engine, version, n, max_new_tokens
+        self.turns, self.turn_tokens = turns, turn_tokens or max_new_tokens
+        self.env_pool = ThreadPoolExecutor(env_workers, "env-step") if turns else None
         self.cv = threading.Condition()
         self.waiting: list[_Sample] = []  # not in the engine: new, or cut by a sync
         self.running: dict[str, _Sample] = {}  # engine request id -> sample
@@ -74,6 +120,8 @@ class GenerationLoop:
             for key, prompt, seed, constraint in groups:
                 samples = [_Sample(key, j, list(prompt), None if seed is None else seed + j,
                                    constraint) for j in range(self.n)]
+                for x in samples if self.turns else ():
+                    x.state = self.turns.start(key, x.index)
                 self.groups[key] = [None] * self.n
                 self.waiting.extend(samples)
             self.cv.notify_all()
@@ -127,6 +175,8 @@ class GenerationLoop:
             self.stopped = True
             self.cv.notify_all()
         self.thread.join(timeout=30)
+        if self.env_pool is not None:  # steps in flight finish into a stopped loop: dropped
+            self.env_pool.shutdown(wait=False, cancel_futures=True)
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -191,7 +241,8 @@ class GenerationLoop:
         request_id = f"stream-{self.next_id}"
         self.next_id += 1
         seed = None if s.seed is None else (s.seed * 1_000_003 + s.segments) % 2**63
-        remaining = self.max_new_tokens - len(s.token_ids)
+        remaining = min(self.max_new_tokens - len(s.token_ids),
+                        self.turn_tokens - (len(s.token_ids) - s.turn_start))
         self.engine.add_request(request_id, s.prompt + s.token_ids, seed, s.constraint,
                                 max_tokens=remaining)
         s.segments += 1
@@ -208,18 +259,60 @@ class GenerationLoop:
         s.token_ids += new
         s.logprobs += [step[tok].logprob for step, tok in zip(c.logprobs[s.seen:], new)]
         s.versions += [self.version] * len(new)
+        s.mask += [1] * len(new)
         s.seen = len(c.token_ids)
         if not out.finished:
             return
         del self.running[out.request_id]
         s.finish_reason = str(c.finish_reason)
+        if self.turns is not None:
+            s.turns += 1
+            self.env_pool.submit(self._step_env, s)
+            return
         # a sequence cut by a sync: decode it whole (pieces decoded apart may join wrongly);
         # engines that do not detokenize as they go leave the text empty
         s.text = (c.text if s.segments == 1 and c.text else self.engine.decode(s.token_ids))
+        self._finish(s)
+
+    def _step_env(self, s: _Sample) -> None:
+        """In a worker thread: the environment's answer to the turn, then the trajectory goes
+        on (back in line for the engine) or ends."""
+        try:
+            result = self.turns.step(s.state, s.token_ids[s.turn_start:], s.finish_reason)
+            if not isinstance(result, TurnResult):
+                result = TurnResult(done=True, error=f"the turn handler returned "
+                                                     f"{type(result).__name__}, not a TurnResult")
+        except Exception as e:  # the trajectory ends; the run goes on
+            result = TurnResult(done=True, error=f"{type(e).__name__}: {e}")
+        with self.cv:
+            if self.stopped:
+                return
+            for k, v in result.info.items():
+                s.info[k] = s.info.get(k, 0) + v
+            s.error, s.truncated = result.error, result.truncated
+            room = self.max_new_tokens - len(s.token_ids) - len(result.observation)
+            if not (result.done or result.error) and room < 1:  # no room for a model token
+                s.truncated, s.finish_reason = True, "length"
+            if result.done or result.error or s.truncated:
+                s.text = self.engine.decode(s.token_ids[s.turn_start:])  # the last model turn
+                self._finish(s)
+            else:
+                s.token_ids += result.observation
+                s.logprobs += [0.0] * len(result.observation)
+                s.versions += [self.version] * len(result.observation)
+                s.mask += [0] * len(result.observation)
+                s.turn_start = len(s.token_ids)  # (segments go on counting: fresh seeds)
+                self.waiting.append(s)
+            self.cv.notify_all()
+
+    def _finish(self, s: _Sample) -> None:
         slots = self.groups[s.group]
         slots[s.index] = s
         if all(x is not None for x in slots):
             del self.groups[s.group]
             self.done.append({"key": s.group, "completions": [
                 {"token_ids": x.token_ids, "logprobs": x.logprobs, "versions": x.versions,
-                 "finish_reason": x.finish_reason, "text": x.text} for x in slots]})
+                 "finish_reason": x.finish_reason, "text": x.text,
+                 **({"loss_mask": x.mask, "turns": x.turns, "info": x.info,
+                     "truncated": x.truncated, "error": x.error} if self.turns else {})}
+                for x in slots]})

@@ -139,3 +139,98 @@ def test_a_failing_engine_reaches_the_caller(engine):
     loop.submit([("g", [1], 0, None)])
     with pytest.raises(RuntimeError, match="generation loop failed.*engine died"):
         loop.collect(10)
+
+
+class Turns:
+    """Each turn is answered with observation [90 + t, 95] until `turns` turns; group keys
+    name how a step behaves ('slow' sleeps, 'boom' raises on the second turn)."""
+
+    def __init__(self, turns=3):
+        self.turns, self.seen, self.lock = turns, [], __import__("threading").Lock()
+
+    def start(self, key, index):
+        return {"key": key, "index": index, "t": 0}
+
+    def step(self, state, turn_ids, finish_reason):
+        from rollout.stream import TurnResult
+
+        state["t"] += 1
+        with self.lock:
+            self.seen.append((state["key"], state["t"], list(turn_ids)))
+        if state["key"] == "slow":
+            time.sleep(0.3)
+        if state["key"] == "boom" and state["t"] == 2:
+            raise ValueError("env broke")
+        if state["t"] == self.turns:
+            return TurnResult(done=True, info={"tool_calls": 0})
+        return TurnResult(observation=[90 + state["t"], 95], info={"tool_calls": 1})
+
+
+def test_turns_alternate_with_observations_that_the_loss_mask_leaves_out(engine):
+    handler = Turns(turns=3)
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=50, turns=handler,
+                          turn_tokens=3)
+    try:
+        loop.submit([("g", [1, 2], 0, None)])
+        (group,) = collect_all(loop, 1)
+    finally:
+        loop.stop()
+    c = group["completions"][0]
+    # turn 1 from the 2-token prompt, then [91, 95], turn 2 from 2 + 5 tokens, [92, 95], turn 3
+    assert c["token_ids"] == [2, 3, 4, 91, 95, 7, 8, 9, 92, 95, 12, 13, 14]
+    assert c["loss_mask"] == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]
+    assert c["logprobs"] == [0.0] * 13 and len(c["versions"]) == 13
+    assert c["turns"] == 3 and c["info"] == {"tool_calls": 2} and not c["error"]
+    assert c["text"] == "12 13 14"  # the last model turn
+    # each turn's request: the prompt and everything so far, at most turn_tokens new tokens
+    assert [(p, m) for _, p, m in engine.added] == [
+        ([1, 2], 3), ([1, 2, 2, 3, 4, 91, 95], 3), ([1, 2, 2, 3, 4, 91, 95, 7, 8, 9, 92, 95], 3)]
+    assert [ids for _, _, ids in handler.seen] == [[2, 3, 4], [7, 8, 9], [12, 13, 14]]
+
+
+def test_a_slow_environment_holds_up_only_its_own_trajectory(engine):
+    handler = Turns(turns=3)
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=50, turns=handler,
+                          turn_tokens=2)
+    try:
+        loop.submit([("slow", [1], 0, None), ("fast", [1], 0, None)])
+        first = collect_all(loop, 1)
+        assert first[0]["key"] == "fast"  # all three turns while 'slow' waited on its env
+        collect_all(loop, 1)
+    finally:
+        loop.stop()
+    fast = [t for key, t, _ in handler.seen if key == "fast"]
+    assert fast == [1, 2, 3]
+
+
+def test_a_failing_environment_ends_its_trajectory_and_the_budget_truncates(engine):
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=9, turns=Turns(turns=5),
+                          turn_tokens=3)
+    try:
+        loop.submit([("boom", [1], 0, None), ("long", [1], 0, None)])
+        groups = {g["key"]: g["completions"][0] for g in collect_all(loop, 2)}
+    finally:
+        loop.stop()
+    boom, long = groups["boom"], groups["long"]
+    assert boom["error"] == "ValueError: env broke" and boom["turns"] == 2
+    assert len(boom["token_ids"]) == 3 + 2 + 3 and not boom["truncated"]
+    # 3 + 2 + 3 tokens, then another observation would leave no room for a model token
+    assert long["truncated"] and long["finish_reason"] == "length" and not long["error"]
+    assert long["loss_mask"] == [1, 1, 1, 0, 0, 1, 1, 1]
+
+
+def test_a_sync_cuts_a_turn_which_goes_on_under_the_new_version(engine):
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=40, turns=Turns(turns=2),
+                          turn_tokens=10)
+    try:
+        loop.submit([("g", [1], 0, None)])
+        wait_steps(loop, 4)
+        loop.pause(interrupt=True)
+        engine.weights = 1
+        loop.resume(1)
+        (group,) = collect_all(loop, 1)
+    finally:
+        loop.stop()
+    c = group["completions"][0]
+    assert c["loss_mask"] == [1] * 10 + [0, 0] + [1] * 10  # the cut turn still has 10 tokens
+    assert c["versions"][0] == 0 and c["versions"][-1] == 1
