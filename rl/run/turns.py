@@ -1,0 +1,111 @@
+"""Multi-turn rollouts: rollout.stream's TurnHandler over an envs/ environment.
+
+One environment per trajectory, made from the dataset row at submit (`start`); after each
+model turn (`step`, in the generation loop's worker thread) the turn's text goes to
+`env.step` under a timeout, and the observation messages come back as the chat template's
+tokens (envs.render). An environment that raises, hangs past the timeout or returns something
+else than an envs.api.Step ends its trajectory with the error kept; the run goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+
+from envs.api import Env, Step
+from envs.render import observation_ids
+from rollout.stream import TurnResult
+
+
+@dataclass
+class _Trajectory:
+    env: Env
+    turns: int = 0
+
+
+def call_with_timeout(fn, arg, timeout_s: float):
+    """fn(arg) (awaited when it is a coroutine function) in a daemon thread; raises
+    TimeoutError past timeout_s (the thread is left to finish on its own: Python cannot kill
+    it, and it holds no lock of ours)."""
+    box: dict = {}
+
+    def run():
+        try:
+            out = fn(arg)
+            box["value"] = asyncio.run(out) if inspect.isawaitable(out) else out
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="env-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _problem(step) -> str:
+    """What is wrong with an env's return value ('' when it is a well-formed Step)."""
+    if not isinstance(step, Step):
+        return f"env.step returned {type(step).__name__}, not an envs.api.Step"
+    if not isinstance(step.observation, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in step.observation):
+        return "env.step's observation is not a list of {role, content} messages"
+    if not step.done and not step.observation:
+        return "env.step returned neither an observation nor done"
+    return ""
+
+
+class EnvTurns:
+    """Made once per generation loop; `prompt_ids(key, row)` renders a group's first prompt
+    (the env's reset messages, its tools given to the template) and keeps the row for the
+    group's trajectories."""
+
+    def __init__(self, env_cls: type, env_args: dict, tokenizer, max_turns: int,
+                 step_timeout_s: float):
+        self.env_cls, self.env_args, self.tokenizer = env_cls, dict(env_args), tokenizer
+        self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
+        self.rows: dict[object, dict] = {}
+
+    def prompt_ids(self, key: object, row: dict) -> list[int]:
+        env = self.env_cls(**self.env_args)
+        self.rows[key] = row
+        return list(self.tokenizer.apply_chat_template(
+            env.reset(row), tools=env.tools or None, add_generation_prompt=True,
+            tokenize=True, return_dict=True)["input_ids"])
+
+    def forget(self, key: object) -> None:
+        """The group is done: its row is not needed any more."""
+        self.rows.pop(key, None)
+
+    def start(self, key: object, index: int) -> _Trajectory:
+        env = self.env_cls(**self.env_args)
+        env.reset(self.rows[key])
+        return _Trajectory(env)
+
+    def step(self, state: _Trajectory, turn_ids: list[int], finish_reason: str) -> TurnResult:
+        state.turns += 1
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        try:
+            step = call_with_timeout(state.env.step, text, self.step_timeout_s)
+        except Exception as e:
+            return TurnResult(done=True, error=f"env.step: {type(e).__name__}: {e}",
+                              info={"env_seconds": time.perf_counter() - t0, "env_errors": 1})
+        info = {"env_seconds": time.perf_counter() - t0}
+        problem = _problem(step)
+        if problem:
+            return TurnResult(done=True, error=problem, info={**info, "env_errors": 1})
+        info.update({k: v for k, v in step.info.items() if isinstance(v, (int, float))})
+        if step.done:
+            return TurnResult(done=True, info=info)
+        if state.turns >= self.max_turns:  # the model asked for more than the limit allows
+            return TurnResult(done=True, truncated=True, info=info)
+        tools = getattr(state.env, "tools", None) or None
+        return TurnResult(observation_ids(self.tokenizer, step.observation, tools,
+                                          turn_ids[-1] if turn_ids else None), info=info)

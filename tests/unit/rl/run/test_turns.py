@@ -1,0 +1,105 @@
+"""rl.run.turns.EnvTurns on the tiny model's real tokenizer: prompts with the env's tools,
+observations as the chat template's tokens (the conversation's tokens equal the template's
+rendering of it), and every way an environment can fail ending only its trajectory."""
+import asyncio
+import time
+
+import pytest
+
+from envs.api import Env, Step
+from envs.render import observation_ids
+from envs.tools import ToolEnv
+from rl.run.turns import EnvTurns
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*482"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rl.data.models import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(
+        "tiny-qwen2", out_dir=tmp_path_factory.mktemp("m") / "q"))
+
+
+def render(tokenizer, messages, **kw):
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              **kw)["input_ids"])
+
+
+def turn(tokenizer, text, end=True):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")] * end
+
+
+def test_a_tool_turn_appends_the_templates_tokens_and_an_answer_ends(tokenizer):
+    turns = EnvTurns(ToolEnv, {"tools": ["calculator"]}, tokenizer, max_turns=4,
+                     step_timeout_s=5)
+    row = {"prompt": "What is 37*482?"}
+    prompt = turns.prompt_ids("g", row)
+    state = turns.start("g", 0)
+    model = turn(tokenizer, CALL)
+    result = turns.step(state, model, "stop")
+    assert not result.done and not result.error and result.info["tool_calls"] == 1
+    messages = [{"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": CALL},
+                {"role": "tool", "name": "calculator", "content": "17834"}]
+    # token in, token out: prompt + sampled + observation == the template's whole rendering
+    assert prompt + model + result.observation == render(
+        tokenizer, messages, tools=state.env.tools, add_generation_prompt=True)
+    # a turn cut by the token limit (no end-of-turn token) gets the closing tokens as well
+    cut = turn(tokenizer, CALL, end=False)
+    ids = observation_ids(tokenizer, messages[2:], state.env.tools, cut[-1])
+    assert tokenizer.decode(ids).startswith("<|im_end|>")
+    done = turns.step(state, turn(tokenizer, "The answer is 17834."), "stop")
+    assert done.done and not done.truncated and done.observation == []
+
+
+class Failing(Env):
+    def __init__(self, how):
+        self.how = how
+
+    def step(self, turn):
+        if self.how == "raise":
+            raise RuntimeError("the env broke")
+        if self.how == "hang":
+            time.sleep(3)
+        if self.how == "garbage":
+            return {"observation": "not a Step"}
+        if self.how == "bad_messages":
+            return Step(observation=["hello"])
+        if self.how == "empty":
+            return Step()
+        return Step(observation=[{"role": "user", "content": "again"}])
+
+
+class AsyncEnv(Env):
+    async def step(self, turn):
+        await asyncio.sleep(0.01)
+        return Step(observation=[{"role": "user", "content": f"you said {turn}"}])
+
+
+@pytest.mark.parametrize("how,error", [
+    ("raise", "env.step: RuntimeError: the env broke"),
+    ("hang", "env.step: TimeoutError: no answer within 0.2 s"),
+    ("garbage", "env.step returned dict, not an envs.api.Step"),
+    ("bad_messages", "env.step's observation is not a list of {role, content} messages"),
+    ("empty", "env.step returned neither an observation nor done"),
+])
+def test_a_failing_environment_ends_its_trajectory_with_the_error(tokenizer, how, error):
+    turns = EnvTurns(Failing, {"how": how}, tokenizer, max_turns=4, step_timeout_s=0.2)
+    turns.prompt_ids("g", {"prompt": "hi"})
+    result = turns.step(turns.start("g", 0), turn(tokenizer, "hello"), "stop")
+    assert result.done and result.error == error and result.info["env_errors"] == 1
+
+
+def test_max_turns_truncates_and_async_envs_work(tokenizer):
+    turns = EnvTurns(AsyncEnv, {}, tokenizer, max_turns=2, step_timeout_s=5)
+    turns.prompt_ids("g", {"prompt": "hi"})
+    state = turns.start("g", 0)
+    first = turns.step(state, turn(tokenizer, "one"), "stop")
+    assert "you said one" in tokenizer.decode(first.observation) and not first.done
+    second = turns.step(state, turn(tokenizer, "two"), "stop")
+    assert second.done and second.truncated and second.observation == []
