@@ -46,6 +46,8 @@ class TurnResult:
     "Ended by a limit (turns), not by the model's answer."
     error: str = ""
     "Why the environment failed (raised, timed out, returned garbage): the trajectory ends."
+    next_turn_tokens: int | None = None
+    "The most tokens of the next model turn (None: the loop's turn_tokens)."
 
 
 class TurnHandler(Protocol):
@@ -74,6 +76,7 @@ class _Sample:
     mask: list[int] = field(default_factory=list)
     turn_start: int = 0
     turns: int = 0  # model turns finished
+    turn_limit: int | None = None  # the most tokens of the current turn (None: turn_tokens)
     state: object = None  # the TurnHandler's (the trajectory's environment)
     info: dict = field(default_factory=dict)
     truncated: bool = False
@@ -242,7 +245,7 @@ class GenerationLoop:
         self.next_id += 1
         seed = None if s.seed is None else (s.seed * 1_000_003 + s.segments) % 2**63
         remaining = min(self.max_new_tokens - len(s.token_ids),
-                        self.turn_tokens - (len(s.token_ids) - s.turn_start))
+                        (s.turn_limit or self.turn_tokens) - (len(s.token_ids) - s.turn_start))
         self.engine.add_request(request_id, s.prompt + s.token_ids, seed, s.constraint,
                                 max_tokens=remaining)
         s.segments += 1
@@ -302,6 +305,7 @@ class GenerationLoop:
                 s.versions += [self.version] * len(result.observation)
                 s.mask += [0] * len(result.observation)
                 s.turn_start = len(s.token_ids)  # (segments go on counting: fresh seeds)
+                s.turn_limit = result.next_turn_tokens
                 self.waiting.append(s)
             self.cv.notify_all()
 

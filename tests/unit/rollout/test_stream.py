@@ -145,8 +145,9 @@ class Turns:
     """Each turn is answered with observation [90 + t, 95] until `turns` turns; group keys
     name how a step behaves ('slow' sleeps, 'boom' raises on the second turn)."""
 
-    def __init__(self, turns=3):
+    def __init__(self, turns=3, next_turn_tokens=None):
         self.turns, self.seen, self.lock = turns, [], __import__("threading").Lock()
+        self.next_turn_tokens = next_turn_tokens
 
     def start(self, key, index):
         return {"key": key, "index": index, "t": 0}
@@ -163,7 +164,8 @@ class Turns:
             raise ValueError("env broke")
         if state["t"] == self.turns:
             return TurnResult(done=True, info={"tool_calls": 0})
-        return TurnResult(observation=[90 + state["t"], 95], info={"tool_calls": 1})
+        return TurnResult(observation=[90 + state["t"], 95], info={"tool_calls": 1},
+                          next_turn_tokens=self.next_turn_tokens)
 
 
 def test_turns_alternate_with_observations_that_the_loss_mask_leaves_out(engine):
@@ -234,3 +236,15 @@ def test_a_sync_cuts_a_turn_which_goes_on_under_the_new_version(engine):
     c = group["completions"][0]
     assert c["loss_mask"] == [1] * 10 + [0, 0] + [1] * 10  # the cut turn still has 10 tokens
     assert c["versions"][0] == 0 and c["versions"][-1] == 1
+
+
+def test_the_environment_may_set_the_next_turns_token_limit(engine):
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=50,
+                          turns=Turns(turns=3, next_turn_tokens=2), turn_tokens=4)
+    try:
+        loop.submit([("g", [1], 0, None)])
+        (group,) = collect_all(loop, 1)
+    finally:
+        loop.stop()
+    assert [m for _, _, m in engine.added] == [4, 2, 2]
+    assert group["completions"][0]["loss_mask"] == [1] * 4 + [0, 0, 1, 1] + [0, 0, 1, 1]
