@@ -79,6 +79,6 @@ def calculator(expression: str) -> str:
         value = evaluate(expression)
     except CalculatorError as e:
         return f"error: {e}"
-    if isinstance(value, float):
-        return repr(round(value, 12)) if value != int(value) or abs(value) >= 1e15 else repr(value)
+    if isinstance(value, float):  # 15 significant digits: 0.1 + 0.2 reads 0.3, 2**-64 stays
+        return repr(float(format(value, ".15g")))
     return str(value)

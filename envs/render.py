@@ -13,9 +13,11 @@ _USER, _ASSISTANT = "rlstack-user-text", "rlstack-assistant-text"
 
 
 def observation_text(tokenizer, messages: list[dict], tools: list[dict] | None,
-                     last_token: str) -> str:
-    """The text to append after a model turn whose last sampled token decodes to
-    `last_token`, for the observation `messages`, ending in the next assistant opening."""
+                     last_token_id: int | None) -> str:
+    """The text to append after a model turn whose last sampled token is `last_token_id`, for
+    the observation `messages`, ending in the next assistant opening. Only the template's very
+    end-of-turn token ends the turn: one cut on a token that merely begins the closing text
+    (such as "<") gets the whole closing text."""
     base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
     kwargs = {"tools": tools} if tools else {}
     before = tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
@@ -26,14 +28,14 @@ def observation_text(tokenizer, messages: list[dict], tools: list[dict] | None,
                          "follow (it is not append-only), so observations cannot be appended "
                          "as tokens; use a template that renders each message alone")
     closing = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]  # e.g. "<|im_end|>\n"
-    if last_token and closing.startswith(last_token):
-        closing = closing[len(last_token):]  # the model sampled its end-of-turn token
+    end = tokenizer(closing, add_special_tokens=False)["input_ids"][0]  # the end-of-turn token
+    if last_token_id == end:
+        closing = closing[len(tokenizer.decode([end])):]
     return closing + after[len(before):]
 
 
 def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None,
                     last_token_id: int | None) -> list[int]:
     """observation_text as token ids (no special tokens added: the template has them)."""
-    last = "" if last_token_id is None else tokenizer.decode([last_token_id])
-    text = observation_text(tokenizer, messages, tools, last)
+    text = observation_text(tokenizer, messages, tools, last_token_id)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -46,7 +46,7 @@ def parse_call(body: str) -> ToolCall | str:
     """One call's JSON, or why it is not a call."""
     try:
         raw = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested thousands deep: RecursionError)
         return f"the tool call {_short(body)!r} is not JSON; write {FORMAT}"
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         return f"the tool call {_short(body)!r} has no \"name\"; write {FORMAT}"

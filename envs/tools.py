@@ -91,10 +91,11 @@ class ToolEnv(Env):
     """Tool calls answered until a turn has none (or the rollout's limits end it)."""
 
     def __init__(self, tools: list[str] | tuple[str, ...] = ("calculator",),
-                 tool_format: str = "hermes", max_output_chars: int = 2000):
+                 tool_format: str = "hermes", max_output_chars: int = 2000,
+                 max_calls_per_turn: int = 8):
         self._tools = resolve_tools(tuple(tools))
         self._parse = get_parser(tool_format)
-        self.max_output_chars = max_output_chars
+        self.max_output_chars, self.max_calls_per_turn = max_output_chars, max_calls_per_turn
         self.tools = [entry for _, entry in self._tools.values()]
 
     def call(self, call: ToolCall | str) -> tuple[str, bool]:
@@ -106,8 +107,11 @@ class ToolEnv(Env):
                     f"{', '.join(self._tools)}"), True
         fn, _ = self._tools[call.name]
         params = inspect.signature(fn).parameters
-        unknown = sorted(set(call.arguments) - set(params))
-        missing = [n for n, p in params.items()
+        named = {n: p for n, p in params.items()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = [] if takes_any else sorted(set(call.arguments) - set(named))
+        missing = [n for n, p in named.items()
                    if p.default is p.empty and n not in call.arguments]
         if unknown or missing:
             why = "; ".join([f"no argument {', '.join(map(repr, unknown))}"] * bool(unknown)
@@ -127,8 +131,12 @@ class ToolEnv(Env):
         if not parsed.calls:
             return Step(done=True, info={"tool_calls": 0, "tool_errors": 0})
         observation, errors = [], 0
-        for call in parsed.calls:
-            text, failed = self.call(call)
+        for k, call in enumerate(parsed.calls):
+            if k < self.max_calls_per_turn:
+                text, failed = self.call(call)
+            else:  # not run: a turn of hundreds of calls would hold the env step for minutes
+                text, failed = (f"error: not run, at most {self.max_calls_per_turn} tool calls "
+                                f"per turn"), True
             errors += failed
             name = call.name if isinstance(call, ToolCall) else "error"
             observation.append({"role": "tool", "name": name, "content": text})

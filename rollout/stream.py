@@ -12,7 +12,9 @@ them (the behavior logprob). A sync first pauses the loop between two steps:
   older weights. Constrained (structured-output) sequences are never cut: their grammar state
   would be lost, so the pause waits for them.
 - draining (`pause(interrupt=False)`): no new request starts, and the pause waits until the
-  sequences in flight have finished under the weights that began them.
+  sequences in flight have finished under the weights that began them. A multi-turn
+  trajectory is drained turn by turn: one whose environment is stepping is not waited for,
+  and its next turn runs under the new weights (each token keeps its version).
 
 While paused the engine holds no request, so the caller may score a probe on it (vLLM's
 blocking `generate`) before `resume` lets generation go on under the new version.
@@ -47,7 +49,22 @@ class TurnResult:
     error: str = ""
     "Why the environment failed (raised, timed out, returned garbage): the trajectory ends."
     next_turn_tokens: int | None = None
-    "The most tokens of the next model turn (None: the loop's turn_tokens)."
+    "The most tokens of the next model turn (None: the loop's turn_tokens; < 1 truncates)."
+    reward: float | None = None
+    "The environment's reward of the trajectory, when it gives one (at done)."
+
+
+def _result_problem(result) -> str:
+    """What is wrong with a turn handler's answer ('' when it is a well-formed TurnResult)."""
+    if not isinstance(result, TurnResult):
+        return f"the turn handler returned {type(result).__name__}, not a TurnResult"
+    if not isinstance(result.observation, list) or not all(
+            type(t) is int for t in result.observation):
+        return "the turn handler's observation is not a list of token ids"
+    if not isinstance(result.info, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in result.info.values()):
+        return f"the turn handler's info {result.info!r} is not a dict of numbers"
+    return ""
 
 
 class TurnHandler(Protocol):
@@ -81,6 +98,7 @@ class _Sample:
     info: dict = field(default_factory=dict)
     truncated: bool = False
     error: str = ""
+    env_reward: float | None = None
 
 
 class GenerationLoop:
@@ -119,12 +137,15 @@ class GenerationLoop:
     # ------------------------------------------------------------------ caller side
     def submit(self, groups: list[tuple[object, list[int], int | None, dict | None]]) -> None:
         """(key, prompt ids, seed, constraint) per group; sample j of a group gets seed + j."""
+        made = []
+        for key, prompt, seed, constraint in groups:
+            samples = [_Sample(key, j, list(prompt), None if seed is None else seed + j,
+                               constraint) for j in range(self.n)]
+            for x in samples if self.turns else ():  # user code (env resets): outside the lock,
+                x.state = self.turns.start(key, x.index)  # and nothing submitted if one raises
+            made.append((key, samples))
         with self.cv:
-            for key, prompt, seed, constraint in groups:
-                samples = [_Sample(key, j, list(prompt), None if seed is None else seed + j,
-                                   constraint) for j in range(self.n)]
-                for x in samples if self.turns else ():
-                    x.state = self.turns.start(key, x.index)
+            for key, samples in made:
                 self.groups[key] = [None] * self.n
                 self.waiting.extend(samples)
             self.cv.notify_all()
@@ -244,8 +265,9 @@ class GenerationLoop:
         request_id = f"stream-{self.next_id}"
         self.next_id += 1
         seed = None if s.seed is None else (s.seed * 1_000_003 + s.segments) % 2**63
+        limit = self.turn_tokens if s.turn_limit is None else s.turn_limit
         remaining = min(self.max_new_tokens - len(s.token_ids),
-                        (s.turn_limit or self.turn_tokens) - (len(s.token_ids) - s.turn_start))
+                        limit - (len(s.token_ids) - s.turn_start))
         self.engine.add_request(request_id, s.prompt + s.token_ids, seed, s.constraint,
                                 max_tokens=remaining)
         s.segments += 1
@@ -282,32 +304,41 @@ class GenerationLoop:
         on (back in line for the engine) or ends."""
         try:
             result = self.turns.step(s.state, s.token_ids[s.turn_start:], s.finish_reason)
-            if not isinstance(result, TurnResult):
-                result = TurnResult(done=True, error=f"the turn handler returned "
-                                                     f"{type(result).__name__}, not a TurnResult")
-        except Exception as e:  # the trajectory ends; the run goes on
+            problem = _result_problem(result)
+            if problem:
+                result = TurnResult(done=True, error=problem)
+        except BaseException as e:  # the trajectory ends (never lost); the run goes on
             result = TurnResult(done=True, error=f"{type(e).__name__}: {e}")
         with self.cv:
-            if self.stopped:
-                return
-            for k, v in result.info.items():
-                s.info[k] = s.info.get(k, 0) + v
-            s.error, s.truncated = result.error, result.truncated
-            room = self.max_new_tokens - len(s.token_ids) - len(result.observation)
-            if not (result.done or result.error) and room < 1:  # no room for a model token
-                s.truncated, s.finish_reason = True, "length"
-            if result.done or result.error or s.truncated:
-                s.text = self.engine.decode(s.token_ids[s.turn_start:])  # the last model turn
-                self._finish(s)
-            else:
-                s.token_ids += result.observation
-                s.logprobs += [0.0] * len(result.observation)
-                s.versions += [self.version] * len(result.observation)
-                s.mask += [0] * len(result.observation)
-                s.turn_start = len(s.token_ids)  # (segments go on counting: fresh seeds)
-                s.turn_limit = result.next_turn_tokens
-                self.waiting.append(s)
+            try:
+                self._apply(s, result)
+            except BaseException as e:  # a bug of ours: surfaced by collect/pause, not lost
+                self.error = e
             self.cv.notify_all()
+
+    def _apply(self, s: _Sample, result: TurnResult) -> None:
+        """(Under the lock.) The environment's answer: the trajectory ends, or its observation
+        is appended and it waits for the engine again."""
+        if self.stopped:
+            return
+        for k, v in result.info.items():
+            s.info[k] = s.info.get(k, 0) + v
+        s.error, s.truncated, s.env_reward = result.error, result.truncated, result.reward
+        room = self.max_new_tokens - len(s.token_ids) - len(result.observation)
+        limit = result.next_turn_tokens
+        if not (result.done or result.error) and (room < 1 or (limit is not None and limit < 1)):
+            s.truncated, s.finish_reason = True, "length"  # no room for a model token
+        if result.done or result.error or s.truncated:
+            s.text = self.engine.decode(s.token_ids[s.turn_start:])  # the last model turn
+            self._finish(s)
+        else:
+            s.token_ids += result.observation
+            s.logprobs += [0.0] * len(result.observation)
+            s.versions += [self.version] * len(result.observation)
+            s.mask += [0] * len(result.observation)
+            s.turn_start = len(s.token_ids)  # (segments go on counting: fresh seeds)
+            s.turn_limit = limit
+            self.waiting.append(s)
 
     def _finish(self, s: _Sample) -> None:
         slots = self.groups[s.group]
@@ -318,5 +349,6 @@ class GenerationLoop:
                 {"token_ids": x.token_ids, "logprobs": x.logprobs, "versions": x.versions,
                  "finish_reason": x.finish_reason, "text": x.text,
                  **({"loss_mask": x.mask, "turns": x.turns, "info": x.info,
-                     "truncated": x.truncated, "error": x.error} if self.turns else {})}
+                     "truncated": x.truncated, "error": x.error, "env_reward": x.env_reward}
+                    if self.turns else {})}
                 for x in slots]})

@@ -102,8 +102,9 @@ class EnvTurns:
         if problem:
             return TurnResult(done=True, error=problem, info={**info, "env_errors": 1})
         info.update({k: v for k, v in step.info.items() if isinstance(v, (int, float))})
+        reward = step.reward if isinstance(step.reward, (int, float)) else None
         if step.done:
-            return TurnResult(done=True, info=info)
+            return TurnResult(done=True, info=info, reward=reward)
         if state.turns >= self.max_turns:  # the model asked for more than the limit allows
             return TurnResult(done=True, truncated=True, info=info)
         tools = getattr(state.env, "tools", None) or None

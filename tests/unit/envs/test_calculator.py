@@ -8,7 +8,8 @@ from envs.calculator import calculator
 @pytest.mark.parametrize("expression,value", [
     ("37 * 482", "17834"), ("(2.5 + 3) / 4", "1.375"), ("2 ** 10", "1024"), ("7 // 2", "3"),
     ("-3 % 5", "2"), ("6 / 3", "2.0"), ("0.1 + 0.2", "0.3"), ("-(4 - 10)", "6"),
-    ("2 ** -2", "0.25"), (" 12*12 ", "144"),
+    ("2 ** -2", "0.25"), (" 12*12 ", "144"), ("2 ** -64", "5.42101086242752e-20"),
+    ("1 / 3", "0.333333333333333"),
 ])
 def test_arithmetic(expression, value):
     assert calculator(expression) == value

@@ -34,6 +34,7 @@ def test_arguments_given_as_a_json_string_are_read():
 
 @pytest.mark.parametrize("body,why", [
     ("not json", "is not JSON"),
+    ("[" * 5000, "is not JSON"),  # nested too deep for the parser
     ('["calculator"]', 'has no "name"'),
     ('{"arguments": {}}', 'has no "name"'),
     ('{"name": "c", "arguments": [1]}', 'needs "arguments" as an object'),

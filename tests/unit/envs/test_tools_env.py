@@ -126,3 +126,21 @@ def test_a_tool_without_a_documented_signature_is_refused(tmp_path):
     spec = tool_file(tmp_path, "def f(x):\n    return x\n") + ":f"
     with pytest.raises(ValueError, match=r"tool '.*:f': no schema .* type hint"):
         resolve_tools((spec,))
+
+
+def test_calls_past_the_limit_are_not_run_and_var_keyword_tools_take_any_argument(tmp_path):
+    spec = tool_file(tmp_path, '''
+        def echo(text: str, **options: bool) -> str:
+            """Echo.
+
+            Args:
+                text: What to echo.
+                options: Flags.
+            """
+            return text + str(sorted(options))
+    ''') + ":echo"
+    env = ToolEnv(tools=[spec], max_calls_per_turn=2)
+    call = '<tool_call>{"name": "echo", "arguments": {"text": "a", "loud": true}}</tool_call>'
+    out = [m["content"] for m in env.step(call * 3).observation]
+    assert out[:2] == ["a['loud']"] * 2
+    assert out[2] == "error: not run, at most 2 tool calls per turn"

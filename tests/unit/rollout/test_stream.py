@@ -248,3 +248,38 @@ def test_the_environment_may_set_the_next_turns_token_limit(engine):
         loop.stop()
     assert [m for _, _, m in engine.added] == [4, 2, 2]
     assert group["completions"][0]["loss_mask"] == [1] * 4 + [0, 0, 1, 1] + [0, 0, 1, 1]
+
+
+class Odd:
+    """A turn handler whose answers are wrong in the way its group key says."""
+
+    def start(self, key, index):
+        return key
+
+    def step(self, key, turn_ids, finish_reason):
+        from rollout.stream import TurnResult
+
+        if key == "text_info":
+            return TurnResult(observation=[1], info={"tool": "calc"})
+        if key == "no_tokens":
+            return TurnResult(observation=None)
+        if key == "cancelled":
+            raise __import__("asyncio").CancelledError()
+        if key == "zero_budget":
+            return TurnResult(observation=[1], next_turn_tokens=0)
+        return TurnResult(done=True, reward=0.5)
+
+
+def test_a_bad_answer_of_the_turn_handler_ends_its_trajectory_never_loses_it(engine):
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=20, turns=Odd(), turn_tokens=2)
+    keys = ["text_info", "no_tokens", "cancelled", "zero_budget", "fine"]
+    try:
+        loop.submit([(k, [1], 0, None) for k in keys])
+        got = {g["key"]: g["completions"][0] for g in collect_all(loop, len(keys))}
+    finally:
+        loop.stop()
+    assert "is not a dict of numbers" in got["text_info"]["error"]
+    assert "not a list of token ids" in got["no_tokens"]["error"]
+    assert got["cancelled"]["error"].startswith("CancelledError")
+    assert got["zero_budget"]["truncated"] and not got["zero_budget"]["error"]
+    assert got["fine"]["env_reward"] == 0.5 and not got["fine"]["error"]

@@ -103,3 +103,20 @@ def test_max_turns_truncates_and_async_envs_work(tokenizer):
     assert "you said one" in tokenizer.decode(first.observation) and not first.done
     second = turns.step(state, turn(tokenizer, "two"), "stop")
     assert second.done and second.truncated and second.observation == []
+
+
+def test_a_turn_cut_on_a_token_that_begins_the_closing_text_is_closed_whole(tokenizer):
+    lt = tokenizer("<", add_special_tokens=False)["input_ids"]
+    assert len(lt) == 1 and "<|im_end|>".startswith(tokenizer.decode(lt))
+    ids = observation_ids(tokenizer, [{"role": "tool", "content": "1"}], None, lt[0])
+    assert tokenizer.decode(ids).startswith("<|im_end|>\n<|im_start|>tool")
+
+
+def test_the_envs_reward_reaches_the_turn_result(tokenizer):
+    class Rewarding(Env):
+        def step(self, turn):
+            return Step(done=True, reward=0.75)
+
+    turns = EnvTurns(Rewarding, {}, tokenizer, max_turns=2, step_timeout_s=5)
+    turns.prompt_ids("g", {"prompt": "hi"})
+    assert turns.step(turns.start("g", 0), turn(tokenizer, "x"), "stop").reward == 0.75
