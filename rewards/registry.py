@@ -30,14 +30,38 @@ from rewards.api import (  # noqa: F401
 ENTRY_POINT_GROUP = "rlstack.rewards"
 
 
-def _entry_point_names() -> dict:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _entry_points(group: str) -> dict:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def known_in(table: dict, group: str) -> list[str]:
+    """The names of `table`'s built-ins and of the entry points of `group`."""
+    return sorted(set(table) | set(_entry_points(group)))
+
+
+def find(spec: str, table: dict, group: str, kind: str, what: str = "function"):
+    """What `spec` names: a built-in of `table`, an entry point of `group`, `module:name` or
+    `path/to/file.py:name` (envs/ finds its environments through this too); `kind` and `what`
+    word the errors."""
+    if spec in table:
+        return table[spec]
+    eps = _entry_points(group)
+    if spec in eps:
+        obj = eps[spec].load()
+        if not callable(obj):
+            raise ValueError(f"{kind} '{spec}': entry point {eps[spec].value} is not callable")
+        return obj
+    if ":" in spec:
+        return from_spec(spec, kind)
+    raise ValueError(f"{kind} '{spec}' is not registered; known: "
+                     f"{', '.join(known_in(table, group))} (or give module:{what} or "
+                     f"path/to/file.py:{what})")
 
 
 def known_names() -> list[str]:
     import rewards.builtin  # noqa: F401  (registers the built-ins)
 
-    return sorted(set(REWARDS) | set(_entry_point_names()))
+    return known_in(REWARDS, ENTRY_POINT_GROUP)
 
 
 def from_file(spec: str, kind: str = "reward") -> Callable:
@@ -81,15 +105,4 @@ def resolve(spec: str) -> Callable:
     """The reward function that `spec` names (see the module docstring for the forms)."""
     import rewards.builtin  # noqa: F401  (registers the built-ins)
 
-    if spec in REWARDS:
-        return REWARDS[spec]
-    eps = _entry_point_names()
-    if spec in eps:
-        fn = eps[spec].load()
-        if not callable(fn):
-            raise ValueError(f"reward '{spec}': entry point {eps[spec].value} is not callable")
-        return fn
-    if ":" in spec:
-        return from_spec(spec)
-    raise ValueError(f"reward '{spec}' is not registered; known: {', '.join(known_names())} "
-                     f"(or give module:function or path/to/file.py:function)")
+    return find(spec, REWARDS, ENTRY_POINT_GROUP, "reward")

@@ -245,7 +245,8 @@ class BroadcastTransport(WeightTransport):
             size = max(b.nbytes for b in layout.buckets) + TRAILER
             pool = [torch.empty(size, dtype=torch.uint8, device=group.device)
                     for _ in range(NodeBuckets.ROUNDS)]
-        for j, members in enumerate(rounds(layout.buckets)):
+        plan = rounds(layout.buckets)
+        for j, members in enumerate(plan):
             t0 = time.perf_counter()
             if self.shared:
                 buffers = [self.shared.write(k, layout.buckets[k],
@@ -269,7 +270,7 @@ class BroadcastTransport(WeightTransport):
                 in_flight.append((j, self._post(buffer, layout.buckets[k], k == corrupt_bucket,
                                                 t0, stats)))
                 t0 = time.perf_counter()  # the round's assembly counts once
-        _wait_until(in_flight, len(layout.buckets), stats)
+        _wait_until(in_flight, len(plan), stats)  # every round
         return stats
 
     def _post(self, buffer: torch.Tensor, bucket, corrupt: bool, t0: float, stats: SyncStats):
