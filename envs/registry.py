@@ -2,7 +2,10 @@
 `module:Class`, or `path/to/file.py:Class`."""
 from __future__ import annotations
 
+import functools
+
 from envs.api import ENVS, Env
+from envs.config import EnvConfig
 from rewards.registry import find, known_in
 
 ENTRY_POINT_GROUP = "rlstack.envs"
@@ -27,3 +30,10 @@ def resolve(spec: str) -> type[Env]:
         raise ValueError(f"env '{spec}' is not an environment class (missing "
                          f"{', '.join(missing) or 'a class'}); subclass envs.api.Env")
     return cls
+
+
+def env_factory(cfg: EnvConfig):
+    """A callable making the run's environment (one per trajectory), or None (single-turn)."""
+    if cfg.name is None:
+        return None
+    return functools.partial(resolve(cfg.name), **cfg.env_args())

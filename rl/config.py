@@ -193,6 +193,7 @@ def validate(cfg: Config) -> None:
                           "placement=disaggregated (colocated workers take ray.trainer_resources)")
     check_pipeline(cfg)
     check_eval(cfg)
+    check_env_section(cfg)
     if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
         raise ConfigError(f"warmup.noise_offsets={cfg.warmup.noise_offsets}: a near miss needs a "
                           f"non-zero offset, e.g. [1] or [-3, -2, -1, 1, 2, 3]")
@@ -248,6 +249,28 @@ def check_eval(cfg: Config) -> None:
         raise ConfigError(f"trainer.eval_every={t.eval_every} with pipeline.mode="
                           f"{cfg.pipeline.mode}: the streaming engines evaluate only before the "
                           f"first step and after the last; set trainer.eval_every=0")
+
+
+def check_env_section(cfg: Config) -> None:
+    env = cfg.env
+    if cfg.warmup.target_turns and env.name is None:
+        raise ConfigError("warmup.target_turns scripts a multi-turn trajectory, which needs an "
+                          "environment: set env.name (e.g. tools), or use warmup.target_template")
+    if env.name is None:
+        given = [k for k in ("tools", "args") if getattr(env, k)]
+        if given:
+            raise ConfigError(f"env.{given[0]} is set but env.name is not: set env.name=tools "
+                              f"(or the environment's name) for multi-turn rollouts")
+        return
+    if env.turn_max_new_tokens is not None and (env.turn_max_new_tokens
+                                                > cfg.rollout.max_new_tokens):
+        raise ConfigError(f"env.turn_max_new_tokens={env.turn_max_new_tokens} exceeds the "
+                          f"trajectory's budget rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}; lower it or raise the budget")
+    if cfg.rollout.speculative_method is not None:
+        raise ConfigError(f"rollout.speculative_method={cfg.rollout.speculative_method} with "
+                          f"env.name={env.name}: multi-turn generation does not rescore "
+                          f"speculated tokens' logprobs; drop the speculation")
 
 
 LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name: package

@@ -2,9 +2,10 @@
 here with one line that names the key, file or row and says the fix (rl-train exits 2).
 
 Checked: registry names (advantage, policy loss, aggregation, KL estimator), the model path, a
-`ray.address` that nothing answers at, and the data set (readable, not empty, each row an object
-with the prompt field, the rewards' own start checks). What needs the tokenizer (prompt length,
-a chat template) is checked by the controller before Ray starts. Warned, not refused: bfloat16
+`ray.address` that nothing answers at, the multi-turn environment and its tools, and the data
+set (readable, not empty, each row an object with the prompt field, the rewards' own start
+checks). What needs the tokenizer (prompt length, a chat template) is checked by the
+controller before Ray starts. Warned, not refused: bfloat16
 on a local CPU that has no bf16 kernels (correct, but many times slower than float32).
 """
 from __future__ import annotations
@@ -158,6 +159,20 @@ def check_tensor_parallel(cfg: Config, num_cpus: int | None = None) -> None:
                 f"ray.num_rollout_workers or the TP size")
 
 
+def check_env(cfg: Config) -> None:
+    """env.name resolves to an environment class that env.tools/env.args make (a `python` tool
+    checks the sandbox's isolation here)."""
+    if cfg.env.name is None:
+        return
+    from envs.registry import env_factory
+
+    try:
+        env_factory(cfg.env)()
+    except (ValueError, TypeError, ImportError) as e:
+        where = "env.name" if "env '" in str(e) else "env.tools/env.args"
+        raise ConfigError(f"{where} (env.name={cfg.env.name!r}): {e}") from None
+
+
 def preflight(cfg: Config):
     """Every up-front check; returns the data set (rl.data.prompts.Rows: training and held-out rows,
     through the rewards' start checks)."""
@@ -173,6 +188,7 @@ def preflight(cfg: Config):
         raise ConfigError(str(e)) from None
     check_model_path(cfg)
     check_tensor_parallel(cfg)
+    check_env(cfg)
     check_ray_address(cfg)
     check_names(cfg)  # imports torch (the registries live beside the math)
     warning = bf16_warning(cfg, native_bf16())

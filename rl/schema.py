@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from envs.config import EnvConfig
 from rollout.config import RolloutConfig
 from update.config import LossConfig, TrainerConfig
 
@@ -80,6 +81,10 @@ class WarmupConfig:
      "is biased to answer one too many (a systematic error RL can correct).")
     target_template: str = "{answer}"
     "The warm-up response, formatted with the row's fields ({answer} is the possibly noisy one)."
+    target_turns: List[str] = field(default_factory=list)
+    ("Multi-turn (env.name set): the model turns of a scripted trajectory instead, each formatted "
+     "like target_template (literal braces doubled: {{ }}); the environment answers every turn "
+     "but the last, as in RL, and its observation tokens are masked out of the loss.")
 
 
 @dataclass
@@ -241,5 +246,6 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     placement: str = "colocated"
     "colocated: each worker holds a trainer rank and an engine; disaggregated: separate pools."

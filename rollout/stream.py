@@ -107,10 +107,12 @@ class GenerationLoop:
 
     def __init__(self, engine, version: int, n: int, max_new_tokens: int,
                  turns: TurnHandler | None = None, turn_tokens: int | None = None,
-                 env_workers: int = 16):
+                 env_workers: int = 16, greedy: bool = False):
         """`turns`: multi-turn (module docstring); `turn_tokens`: the most tokens of one model
-        turn (None: max_new_tokens); `env_workers`: environment steps run at once."""
+        turn (None: max_new_tokens); `env_workers`: environment steps run at once; `greedy`:
+        the most likely token at every step (evaluation)."""
         self.engine, self.version, self.n, self.max_new_tokens = engine, version, n, max_new_tokens
+        self.greedy = greedy
         self.turns, self.turn_tokens = turns, turn_tokens or max_new_tokens
         self.env_pool = ThreadPoolExecutor(env_workers, "env-step") if turns else None
         self.cv = threading.Condition()
@@ -269,7 +271,7 @@ class GenerationLoop:
         remaining = min(self.max_new_tokens - len(s.token_ids),
                         limit - (len(s.token_ids) - s.turn_start))
         self.engine.add_request(request_id, s.prompt + s.token_ids, seed, s.constraint,
-                                max_tokens=remaining)
+                                max_tokens=remaining, greedy=self.greedy)
         s.segments += 1
         s.seen = 0
         self.running[request_id] = s

@@ -426,11 +426,11 @@ class VLLMEngine:
 
     # ---- step by step, for rollout.stream.GenerationLoop (one thread drives these)
     def add_request(self, request_id: str, prompt: list[int], seed: int | None,
-                    constraint: dict | None, max_tokens: int) -> None:
+                    constraint: dict | None, max_tokens: int, greedy: bool = False) -> None:
         """One sample (n=1) of `prompt`, up to max_tokens new tokens; runs on `step`."""
         from vllm import TokensPrompt
 
-        params = self.sampling_params(seed, constraint, n=1)
+        params = self.sampling_params(seed, constraint, n=1, greedy=greedy)
         params.max_tokens = max_tokens
         # a sequence resumed after a sync has max_new_tokens - max_tokens tokens already
         done = self.cfg.max_new_tokens - max_tokens

@@ -46,6 +46,27 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)  # per token (async modes only)
     # per response token: 1 the model's, 0 the environment's (multi-turn); [] all the model's
     loss_mask: list[int] = field(default_factory=list)
+    # multi-turn: model turns, the env's counts summed over its steps (tool_calls, env_seconds,
+    # ...), whether a limit cut it, why the env failed, the env's own reward (None: none given)
+    turns: int = 1
+    env_info: dict = field(default_factory=dict)
+    truncated: bool = False
+    env_error: str = ""
+    env_reward: float | None = None
+    trained: bool = True  # False: every token out of the loss (rl.run.collect.mask_untrained)
+
+    @classmethod
+    def of(cls, row: int, group: int, prompt_ids: list[int], c: dict, version: int,
+           token_versions: bool = False) -> "Sample":
+        """The sample of one engine completion (a dict: rollout.vllm_engine.Completion's fields,
+        or rollout.stream's, which add per-token versions and the multi-turn fields)."""
+        return cls(row, group, prompt_ids, c["token_ids"], c["logprobs"], c["finish_reason"],
+                   c["text"], policy_version=(c["versions"][0] if token_versions
+                                              and c["versions"] else version),
+                   token_versions=c["versions"] if token_versions else [],
+                   loss_mask=c.get("loss_mask", []), turns=c.get("turns", 1),
+                   env_info=c.get("info", {}), truncated=c.get("truncated", False),
+                   env_error=c.get("error", ""), env_reward=c.get("env_reward"))
 
     @property
     def num_model_tokens(self) -> int:
@@ -53,7 +74,15 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
 
     def model_token_mask(self) -> list[int]:
+        """The loss mask: 1 for each token the loss counts (the model's, in a trained sample)."""
+        if not self.trained:
+            return [0] * len(self.response_ids)
         return self.loss_mask or [1] * len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens the loss counts (num_model_tokens, or 0 for a sample that is not trained)."""
+        return self.num_model_tokens if self.trained else 0
 
 
 def right_padded(rows: list[list], width: int, pad, dtype) -> torch.Tensor:
@@ -157,7 +186,7 @@ def plan_update(samples: list[Sample], world_size: int, num_mini_batches: int,
         random.Random(seed).shuffle(order)
     plan = UpdatePlan([], [])
     for mini in chunk(order, num_mini_batches):
-        plan.counts.append(BatchCounts(num_tokens=float(sum(s.num_model_tokens for s in mini)),
+        plan.counts.append(BatchCounts(num_tokens=float(sum(s.num_loss_tokens for s in mini)),
                                        num_seqs=float(len(mini))))
         plan.mini_batches.append([[collate(m, pad_id, share_prompts) for m in micros]
                                   for micros in split_ranks(mini, world_size, grad_accum)])

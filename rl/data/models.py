@@ -42,7 +42,11 @@ PRESETS = {
     "small-qwen2": Preset("qwen2", 256, 4, 8, 4, 768, tie_word_embeddings=False),
     # ~100M parameters (400 MB in fp32): the size benchmarks/sync_speed.py moves; head_dim 64
     "bench-100m": Preset("qwen2", 768, 16, 12, 4, 2048, tie_word_embeddings=False),
+    # tiny-qwen2's shape, its tokenizer trained on calculator calls too (recipes/quickstart_tools)
+    "tiny-qwen2-tools": Preset("qwen2", 128, 2, 4, 2, 384, tie_word_embeddings=False),
 }
+# the text each preset's tokenizer is trained on (default: rl.data.tasks.corpus)
+PRESET_CORPUS = {"tiny-qwen2-tools": "tool_corpus"}
 
 
 # name -> (Python package that ships the GGUF file, file name): real pretrained models, offline
@@ -190,13 +194,14 @@ def build_tiny_model(preset: str, seed: int = 0, out_dir: str | Path | None = No
     from rl.data import tasks
 
     p = PRESETS[preset]
-    key = hashlib.sha256(json.dumps([asdict(p), seed, CHAT_TEMPLATE, tasks.corpus()]).encode())
+    texts = getattr(tasks, PRESET_CORPUS.get(preset, "corpus"))()
+    key = hashlib.sha256(json.dumps([asdict(p), seed, CHAT_TEMPLATE, texts]).encode())
     out = Path(out_dir) if out_dir else cache_root() / "models" / f"{preset}-{key.hexdigest()[:12]}"
     if (out / "model.safetensors").exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tok = train_tokenizer(tasks.corpus(), p.vocab_size)
+    tok = train_tokenizer(texts, p.vocab_size)
     vocab_size = ((len(tok) + 63) // 64) * 64  # pad the embedding to a multiple of 64
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_model_config(p, vocab_size, tok), dtype=torch.float32)

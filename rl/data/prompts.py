@@ -15,7 +15,8 @@ from rollout.config import RolloutConfig
 
 BUILTIN_DATA = {"arithmetic": (tasks.arithmetic_rows, tasks.TEMPLATE),
                 "fractions": (tasks.fraction_rows, tasks.FRACTION_TEMPLATE),
-                "extraction": (tasks.extraction_rows, tasks.EXTRACTION_TEMPLATE)}
+                "extraction": (tasks.extraction_rows, tasks.EXTRACTION_TEMPLATE),
+                "multiplication": (tasks.multiplication_rows, tasks.MULTIPLY_TEMPLATE)}
 
 
 def resolve_rows(cfg: DataConfig, seed: int) -> list[dict]:
@@ -103,8 +104,9 @@ def split_rows(rows: list[dict], cfg: DataConfig, held_out: list[dict] | None = 
     return Rows(train, held_out, len(rows) - len(train) if cfg.eval_path else 0)
 
 
-def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int) -> list[int]:
-    """Token ids of the row's prompt in chat form, ending with the assistant's turn opener."""
+def prompt_messages(row: dict, cfg: DataConfig, index: int) -> list[dict]:
+    """The row's prompt as chat messages (a string prompt becomes the user message, after
+    data.system_prompt)."""
     if cfg.prompt_key not in row:
         raise KeyError(f"row {index} has no field '{cfg.prompt_key}' (data.prompt_key); "
                        f"its fields: {', '.join(row)}")
@@ -113,12 +115,28 @@ def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int) -> list[int
         messages = [{"role": "user", "content": prompt}]
         if cfg.system_prompt:
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        messages = prompt
-    else:
-        raise TypeError(f"row {index}: field '{cfg.prompt_key}' must be a string or a list of "
-                        f"{{role, content}} messages, got {type(prompt).__name__}")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return messages
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return prompt
+    raise TypeError(f"row {index}: field '{cfg.prompt_key}' must be a string or a list of "
+                    f"{{role, content}} messages, got {type(prompt).__name__}")
+
+
+def env_row(row: dict, cfg: DataConfig, index: int) -> dict:
+    """What a multi-turn environment's reset gets: the row, its "prompt" the chat messages."""
+    return {**row, "prompt": prompt_messages(row, cfg, index)}
+
+
+def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int, env=None) -> list[int]:
+    """Token ids of the row's prompt in chat form, ending with the assistant's turn opener.
+    With `env` (multi-turn: an envs.api.Env), the messages are what env.reset makes of the
+    row's env_row, and its tools go to the template (`tools=`)."""
+    messages, tools = prompt_messages(row, cfg, index), None
+    if env is not None:
+        messages = env.reset({**row, "prompt": messages})
+        tools = env.tools or None
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -141,12 +159,14 @@ class PromptSet:
     """Rendered prompts (those that fit the engine), served in shuffled epochs."""
 
     def __init__(self, rows: list[dict], tokenizer, cfg: DataConfig, seed: int,
-                 rollout: RolloutConfig | None = None):
+                 rollout: RolloutConfig | None = None, make_env=None):
+        """make_env: multi-turn, a callable making the run's environment (render_prompt)."""
         rollout = rollout or RolloutConfig()
         if not rows:
             raise ValueError(f"data.train_path '{cfg.train_path}' has no rows")
         limit = rollout.max_model_len - rollout.max_new_tokens
-        rendered = [(r, render_prompt(tokenizer, r, cfg, i)) for i, r in enumerate(rows)]
+        rendered = [(r, render_prompt(tokenizer, r, cfg, i, make_env and make_env()))
+                    for i, r in enumerate(rows)]
         kept = [(r, p) for r, p in rendered if len(p) <= limit]
         self.num_filtered = len(rendered) - len(kept)
         if self.num_filtered:
@@ -158,6 +178,9 @@ class PromptSet:
         self.rows = [r for r, _ in kept]
         self.prompt_ids = [p for _, p in kept]
         self.constraints = [output_constraint(r, rollout, i) for i, r in enumerate(self.rows)]
+        # multi-turn: what each trajectory's environment is reset with, on the engines' side
+        self.env_rows = ([env_row(r, cfg, i) for i, r in enumerate(self.rows)] if make_env
+                         else None)
         self.texts = [tokenizer.decode(p) for p in self.prompt_ids]
         self._rng = random.Random(seed)
         self._order: list[int] = []

@@ -24,6 +24,42 @@ def arithmetic_rows(num_rows: int, max_operand: int, seed: int, ops: str = "+-")
     return rows
 
 
+MULTIPLY_TEMPLATE = "What is {a} * {b}?"
+
+
+def multiplication_rows(num_rows: int, max_operand: int, seed: int) -> list[dict]:
+    """a * b with 10 <= a, b <= max_operand (2-3 digits at max_operand 999): too hard for a tiny
+    model to compute, easy with a calculator. Rows keep a and b (a warm-up's tool call uses
+    them)."""
+    rng = random.Random(seed)
+    low = min(10, max_operand)
+    rows = []
+    for _ in range(num_rows):
+        a, b = rng.randint(low, max_operand), rng.randint(low, max_operand)
+        rows.append({"prompt": MULTIPLY_TEMPLATE.format(a=a, b=b), "answer": str(a * b),
+                     "a": a, "b": b})
+    return rows
+
+
+def tool_call(expression: str) -> str:
+    """A Hermes-format call of the calculator tool (envs.tool_calls reads this format)."""
+    return ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+            + expression + '"}}\n</tool_call>')
+
+
+def tool_corpus() -> list[str]:
+    """corpus() and the text of calculator calls on multiplication problems, so that a
+    tokenizer trained on it has tokens for a call's fixed parts (tiny-qwen2-tools)."""
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(300)]
+    lines = corpus()
+    lines += [MULTIPLY_TEMPLATE.format(a=a, b=b) for a, b in pairs]
+    lines += [tool_call(f"{a} * {b}") for a, b in pairs]
+    lines += [str(a * b) for a, b in pairs]
+    lines += ["tool\n", "error: "] * 50
+    return lines
+
+
 FRACTION_TEMPLATE = ("What is {a}/{b} {op} {c}/{d}? Think inside <think></think>, then give "
                      "the answer as a fraction inside <answer></answer>.")
 

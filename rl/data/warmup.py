@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from envs.registry import env_factory
 from rl.algo.batch import Sample, collate, split_ranks
 from rl.observe.progress import Progress, wait_with_progress
 from rl.schema import Config
@@ -23,8 +24,12 @@ from rl.schema import Config
 def warmup_dir(model_path: str, cfg: Config) -> Path:
     from rl.data.models import cache_root
 
-    ident = [str(Path(model_path).resolve()), asdict(cfg.warmup), asdict(cfg.data),
+    warmup = {k: v for k, v in asdict(cfg.warmup).items()  # keys as before multi-turn came
+              if k != "target_turns" or v}
+    ident = [str(Path(model_path).resolve()), warmup, asdict(cfg.data),
              cfg.run.seed, cfg.ray.num_workers, cfg.trainer.micro_batch_size]
+    if cfg.env.name is not None:  # the env renders the prompts (and answers scripted turns)
+        ident.append(asdict(cfg.env))
     key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:12]
     return cache_root() / "warmup" / f"{Path(model_path).name}-{key}"
 
@@ -37,6 +42,33 @@ def sft_target(answer: str, noise: float, rng: random.Random,
         except ValueError:  # not an integer answer: keep it
             return answer
     return answer
+
+
+def scripted_trajectory(make_env, row: dict, turns: list[str], tokenizer) -> tuple[list, list]:
+    """(token ids, loss mask) of a trajectory whose model turns are `turns` (each closed with
+    the end-of-turn token): the environment, reset with `row`, answers each turn but the last,
+    its observation rendered as in RL (envs.render); it ends early when the env says done."""
+    import asyncio
+    import inspect
+
+    from envs.render import observation_ids
+
+    env, eos = make_env(), tokenizer.eos_token_id
+    env.reset(row)
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, text in enumerate(turns):
+        turn = tokenizer.encode(text, add_special_tokens=False) + [eos]
+        ids, mask = ids + turn, mask + [1] * len(turn)
+        if k == len(turns) - 1:
+            break
+        step = env.step(text)
+        step = asyncio.run(step) if inspect.isawaitable(step) else step
+        if step.done:
+            break
+        observation = observation_ids(tokenizer, step.observation, env.tools or None, eos)
+        ids, mask = ids + observation, mask + [0] * len(observation)
+    return ids, mask
 
 
 def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
@@ -60,6 +92,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     rng = random.Random(cfg.run.seed)
     order = prompts.with_order(cfg.run.seed + 1)
     eos = tokenizer.eos_token_id
+    make_env = env_factory(cfg.env) if w.target_turns else None
     print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
           f"(answer_noise={w.answer_noise})", flush=True)
     progress = Progress(w.sft_steps, "warm-up", every=50)
@@ -71,10 +104,18 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
             if "answer" not in row:
                 raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
             answer = sft_target(str(row["answer"]), w.answer_noise, rng, w.noise_offsets)
-            target = w.target_template.format(**{**row, "answer": answer})
+            fields = {**row, "answer": answer}
+            if w.target_turns:  # multi-turn: the env answers the scripted turns
+                turns = [t.format(**fields) for t in w.target_turns]
+                response, mask = scripted_trajectory(make_env, prompts.env_rows[i], turns,
+                                                     tokenizer)
+                samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop",
+                                      turns[-1], loss_mask=mask))
+                continue
+            target = w.target_template.format(**fields)
             response = tokenizer.encode(target, add_special_tokens=False) + [eos]
             samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
-        num_tokens = float(sum(len(s.response_ids) for s in samples))
+        num_tokens = float(sum(s.num_model_tokens for s in samples))
         futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
                    for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]
         loss = sum(m["loss/sft"] for m in ray.get(futures))

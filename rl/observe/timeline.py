@@ -83,7 +83,9 @@ class Timeline:
     def add(self, track: str, spans: list[Span], step: int) -> None:
         pid = self._track(track)
         for name, start, end, args in spans:
-            self.events.append({"ph": "X", "name": name, "cat": "rl", "pid": pid, "tid": 0,
+            # spans that overlap within a process (env steps in threads) name a lane of their own
+            self.events.append({"ph": "X", "name": name, "cat": "rl", "pid": pid,
+                                "tid": args.get("lane", 0),
                                 "ts": round(start * 1e6), "dur": round((end - start) * 1e6),
                                 "args": {"step": step, **args}})
 

@@ -15,6 +15,16 @@ def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float) -> 
     return -penalty * min(length - start, buffer) / buffer
 
 
+def mask_untrained(samples: list[Sample], train_truncated: bool) -> int:
+    """Multi-turn: take out of the loss every token of a trajectory its environment failed
+    (the model is not to blame) and, unless train_truncated, of one a limit cut (`trained`
+    False). They keep their reward, so their group's statistics still count them. Returns how
+    many."""
+    for s in samples:
+        s.trained = not (s.env_error or (s.truncated and not train_truncated))
+    return sum(not s.trained for s in samples)
+
+
 def is_flat(group: list[Sample]) -> bool:
     """All scores equal: group-relative advantages are 0, the group carries no signal."""
     return max(s.score for s in group) - min(s.score for s in group) < 1e-9

@@ -31,7 +31,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     tp_size, tp_rank = 1, 0  # the engine's TP size; this worker's TP rank (0: holds the engine)
     tp_rank_bytes = 0  # the most bytes one TP rank received in the last sync
 
-    def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0) -> str | None:
+    def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0,
+                     env=None) -> str | None:
         """As RolloutRole's; None from a worker that holds no engine (TP rank > 0)."""
         self.tp_size = cfg.tensor_parallel_size
         self.tp_rank = self.rank % self.tp_size
@@ -40,7 +41,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
             self.close_engine()
             self.policy_version, self.direct_load = version, True  # writes its rank's slices
             return None
-        return super().init_rollout(model_path, cfg, seed, version)
+        return super().init_rollout(model_path, cfg, seed, version, env)
 
     def tp_cores(self, tp_size: int) -> str | None:
         """The cores of workers rank .. rank + tp_size - 1, a TP rank's each ("0|1")."""

@@ -12,9 +12,10 @@ from rl.algo.batch import (Sample, chunk, collate, padded, plan_update, reduce_r
                            response_mask, response_slice, split_ranks)
 from rl.errors import get_all
 from rl.observe.timeline import Spans, traced
-from rl.run.collect import collect, overlong_penalty
+from rl.run.collect import collect, mask_untrained, overlong_penalty
 from rl.run.lifecycle import RunLifecycle
-from rl.run.step_metrics import rollout_records, sample_metrics, staleness_metrics, time_metrics
+from rl.run.step_metrics import (env_metrics, rollout_records, sample_metrics,
+                                 staleness_metrics, time_metrics)
 from rl.run.tracks import TimelineRecorder
 from rl.schema import Config
 from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
@@ -70,10 +71,12 @@ class Controller(RunLifecycle):
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
         # empty chunks come last: with more engines than prompts the last engines sit out
         parts = [p for p in chunk(list(enumerate(rows)), len(self.engines)) if p]
+        env_rows = self.prompts.env_rows  # multi-turn: what each trajectory's env resets with
         futures = [e.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
                                      [base + g * n for g, _ in part],
                                      [self.prompts.constraints[r] for _, r in part],
-                                     version=self.policy_version)
+                                     version=self.policy_version,
+                                     rows=env_rows and [env_rows[r] for _, r in part])
                    for e, part in zip(self.engines, parts)]
         samples = []
         results = ray.get(futures)
@@ -81,22 +84,25 @@ class Controller(RunLifecycle):
                               for k in results[0]["stats"]}
         for part, result in zip(parts, results):
             for (g, r), completions in zip(part, result["groups"]):
-                for c in completions:
-                    samples.append(Sample(r, g, self.prompts.prompt_ids[r], c["token_ids"],
-                                          c["logprobs"], c["finish_reason"], c["text"],
-                                          policy_version=result["policy_version"]))
+                samples += [Sample.of(r, g, self.prompts.prompt_ids[r], c,
+                                      result["policy_version"]) for c in completions]
         return samples
 
     @traced("reward")
     def score(self, samples: list[Sample]) -> dict:
-        """Reward each sample; score = reward + overlong shaping (what advantages use)."""
+        """Reward each sample (multi-turn: its last turn's text, or the env's own reward when
+        it gave one); score = reward + overlong shaping (what advantages use), the length being
+        the tokens of the budget (rollout.max_new_tokens) spent."""
         algo, max_len = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
         rewards, metrics = self.scorer.score(
             [self.prompts.rows[s.row] for s in samples], [s.text for s in samples])
         for s, r in zip(samples, rewards):
-            s.reward = r
-            s.score = r + overlong_penalty(s.num_model_tokens, max_len, algo.overlong_buffer,
-                                           algo.overlong_penalty)
+            s.reward = r if s.env_reward is None else s.env_reward
+            s.score = s.reward + overlong_penalty(len(s.response_ids), max_len,
+                                                  algo.overlong_buffer, algo.overlong_penalty)
+        if self.cfg.env.name is not None:
+            metrics["env/untrained"] = float(mask_untrained(samples,
+                                                            self.cfg.env.train_truncated))
         return metrics
 
     @traced("prepare")
@@ -213,12 +219,16 @@ class Controller(RunLifecycle):
         metrics.update(self.sync())
         t3 = time.perf_counter()
         metrics.update(sample_metrics(samples))
+        multi_turn = self.cfg.env.name is not None
+        if multi_turn:
+            metrics.update(env_metrics(samples))
         metrics.update(staleness_metrics(samples, self.policy_version))
         metrics.update(self.rollout_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
         metrics.update(time_metrics(step, batch, t0, t1, t2, t3, self.producer is not None))
+        decode = self.tokenizer.decode if multi_turn else None
         self.log.log_rollouts(step, rollout_records(samples, self.prompts.texts,
-                                                    self.cfg.run.log_samples))
+                                                    self.cfg.run.log_samples, decode))
         return metrics
 
     def run(self) -> Path:

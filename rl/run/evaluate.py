@@ -36,16 +36,21 @@ class Evaluator:
         n = 1 if greedy else self.k
         indices = list(range(len(self.prompts.prompt_ids)))
         parts = [p for p in chunk(indices, len(engines)) if p]
+        env_rows = self.prompts.env_rows  # multi-turn: the engines run whole trajectories
         futures = [e.generate.remote([self.prompts.prompt_ids[i] for i in part],
                                      [EVAL_SEED + i * n for i in part],
                                      [self.prompts.constraints[i] for i in part], n=n,
-                                     version=version, greedy=greedy)
+                                     version=version, greedy=greedy,
+                                     rows=env_rows and [env_rows[i] for i in part])
                    for e, part in zip(engines, parts)]
         return [group for result in ray.get(futures) for group in result["groups"]]
 
     def _score(self, groups: list[list[dict]]) -> list[list[float]]:
         rows = [self.prompts.rows[i] for i, g in enumerate(groups) for _ in g]
         rewards, _ = self.scorer.score(rows, [c["text"] for g in groups for c in g])
+        # multi-turn: an env's own reward, where it gave one, is the trajectory's (as in training)
+        given = [c.get("env_reward") for g in groups for c in g]
+        rewards = [r if e is None else e for r, e in zip(rewards, given)]
         out, at = [], 0
         for g in groups:
             out.append(rewards[at:at + len(g)])
@@ -104,6 +109,7 @@ def evaluate_model(cfg, rows, model_dir: str, out_dir: Path | None = None) -> di
     rows (rows: rl.data.prompts.Rows) once as a run's step-0 evaluation does; eval/* metrics."""
     from transformers import AutoTokenizer
 
+    from envs.registry import env_factory
     from rl.config import ConfigError
     from rl.data.prompts import PromptSet
     from rl.errors import prompt_error
@@ -113,7 +119,8 @@ def evaluate_model(cfg, rows, model_dir: str, out_dir: Path | None = None) -> di
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
-        prompts = PromptSet(rows.held_out, tokenizer, cfg.data, cfg.run.seed, cfg.rollout)
+        prompts = PromptSet(rows.held_out, tokenizer, cfg.data, cfg.run.seed, cfg.rollout,
+                            env_factory(cfg.env))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(prompt_error(e, cfg)) from None
     start_ray(cfg)

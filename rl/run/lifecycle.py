@@ -38,8 +38,10 @@ class RunLifecycle:
     def setup(self) -> None:
         from transformers import AutoTokenizer
 
+        from envs.registry import env_factory
         from rl.data.models import resolve_model_path
         from rl.data.prompts import PromptSet
+        from rl.run.turns import check_env
 
         cfg = self.cfg
         # bad rewards or tests fail before Ray starts
@@ -49,11 +51,18 @@ class RunLifecycle:
         model_path = (resume.state["model_path"] if resume
                       else resolve_model_path(cfg.model.path, cfg.run.seed))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        make_env = env_factory(cfg.env)  # multi-turn: prompts are what the env resets to
+        if make_env is not None:
+            try:  # the model's chat template must render observations after a model turn
+                check_env(cfg.env, self.tokenizer)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"env.name={cfg.env.name!r} with model.path="
+                                  f"{cfg.model.path!r}: {e}") from None
         try:  # prompts that cannot be rendered or do not fit: refused before Ray starts
             self.prompts = PromptSet(rows.train, self.tokenizer, cfg.data, cfg.run.seed,
-                                     cfg.rollout)
+                                     cfg.rollout, make_env)
             self.held_out = (PromptSet(rows.held_out, self.tokenizer, cfg.data, cfg.run.seed,
-                                       cfg.rollout) if rows.held_out else None)
+                                       cfg.rollout, make_env) if rows.held_out else None)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(prompt_error(e, cfg)) from None
         if self.held_out is not None:

@@ -71,16 +71,19 @@ class RolloutProducer:
         for e in self.in_flight.values():
             load[e] += 1
         per_engine: list[list] = [[] for _ in engines]
+        env_rows: list[list] = [[] for _ in engines]  # multi-turn: each group's env row
         for g, r in enumerate(rows):
             e = min(range(len(engines)), key=lambda i: load[i])
             load[e] += 1
             self.in_flight[(b, g)] = e
             per_engine[e].append(((b, g, r), c.prompts.prompt_ids[r], base + g * self.n,
                                   c.prompts.constraints[r]))
+            if c.prompts.env_rows is not None:
+                env_rows[e].append(c.prompts.env_rows[r])
         import ray
 
-        ray.get([engines[e].submit.remote(groups) for e, groups in enumerate(per_engine)
-                 if groups])
+        ray.get([engines[e].submit.remote(groups, env_rows[e] or None)
+                 for e, groups in enumerate(per_engine) if groups])
 
     def _poll(self) -> None:
         """Wait for at least one engine's finished groups; into the buffer they go."""
@@ -104,10 +107,8 @@ class RolloutProducer:
             for item in result["groups"]:
                 b, g, r = item["key"]
                 self.in_flight.pop((b, g))
-                samples = [Sample(r, g, self.c.prompts.prompt_ids[r], x["token_ids"],
-                                  x["logprobs"], x["finish_reason"], x["text"],
-                                  policy_version=x["versions"][0] if x["versions"] else
-                                  self.c.policy_version, token_versions=x["versions"])
+                samples = [Sample.of(r, g, self.c.prompts.prompt_ids[r], x,
+                                     self.c.policy_version, token_versions=True)
                            for x in item["completions"]]
                 arrived.append(Group((b, g), samples, min(s.policy_version for s in samples)))
         self.buffer += arrived

@@ -138,7 +138,8 @@ class Placement:
         """Start building the engines (holding `version`, the weights at model_path); returns
         the calls to hand to init_rollout. Engines that are actors of their own build while the
         trainers initialize."""
-        return [e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
+        return [e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
+                                      version, self.cfg.env)
                 for e in self.engines]
 
     def init_rollout(self, model_path: str, version: int, started: list | None = None) -> None:
@@ -229,7 +230,8 @@ class Colocated(Placement):
 
     def start_rollout(self, model_path: str, version: int) -> list:
         # every worker: those beside a TP engine's ranks > 0 learn which engine they write
-        return [w.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed, version)
+        return [w.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
+                                      version, self.cfg.env)
                 for w in self.trainers]
 
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:

@@ -20,15 +20,28 @@ class RolloutRole(Role):
     interruptible = True
     tp_shared = None  # at TP > 1: the ranks' weights (weight_sync.tp_shared), written by syncs
     tp_bytes = 0  # the most bytes the last sync wrote into one TP rank
+    env = None  # envs.config.EnvConfig of a multi-turn run
+    turns = None  # rl.run.turns.EnvTurns: multi-turn, every generation goes through it
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
-                     version: int = 0) -> str:
+                     version: int = 0, env=None) -> str:
         """A new engine holding `version` (the weights at model_path); returns how it runs the
-        model: "compiled" or "eager" (rollout.enforce_eager)."""
+        model: "compiled" or "eager" (rollout.enforce_eager). env: an envs.config.EnvConfig
+        whose name makes every trajectory multi-turn (rl.run.turns)."""
         import gc
 
         from rollout.vllm_engine import VLLMEngine
+
+        self.env, self.turns = env, None
+        if env is not None and env.name is not None:
+            from transformers import AutoTokenizer
+
+            from envs.registry import env_factory
+            from rl.run.turns import EnvTurns
+
+            self.turns = EnvTurns(env_factory(env), AutoTokenizer.from_pretrained(model_path),
+                                  env.max_turns, env.step_timeout_s, self.spans)
 
         # an engine in this process tears down vLLM's process-wide parallel state when it goes:
         # let the old one go before the new one sets that state up
@@ -134,24 +147,60 @@ class RolloutRole(Role):
     @traced("generate")
     def generate(self, prompts: list[list[int]], seeds: list[int],
                  constraints: list[dict | None] | None = None, n: int | None = None,
-                 version: int | None = None, greedy: bool = False) -> dict:
+                 version: int | None = None, greedy: bool = False,
+                 rows: list[dict] | None = None) -> dict:
         """{"groups": completions per prompt (as dicts), "stats": engine counters since last,
-        "policy_version": the version that generated them}; checks `version` first."""
+        "policy_version": the version that generated them}; checks `version` first. Multi-turn
+        (rows: what each prompt's environments are reset with), the completions are whole
+        trajectories (rollout.stream: loss_mask, turns, info, truncated, error)."""
         self.check_version(version)
-        out = self.engine.generate(prompts, seeds=seeds, constraints=constraints, n=n,
-                                   greedy=greedy)
-        return {"groups": [[asdict(c) for c in group] for group in out],
-                "stats": self.engine.take_stats(), "policy_version": self.policy_version}
+        if self.turns is not None:
+            groups = self._generate_turns(prompts, seeds, constraints, n, greedy, rows)
+        else:
+            groups = [[asdict(c) for c in group] for group in self.engine.generate(
+                prompts, seeds=seeds, constraints=constraints, n=n, greedy=greedy)]
+        return {"groups": groups, "stats": self.engine.take_stats(),
+                "policy_version": self.policy_version}
+
+    def _loop(self, n: int, greedy: bool = False):
+        """A generation loop over this engine (multi-turn through self.turns when set)."""
+        from rollout.stream import GenerationLoop
+
+        cfg, env = self.engine.cfg, self.env
+        multi = self.turns is not None
+        return GenerationLoop(self.engine, self.policy_version, n, cfg.max_new_tokens,
+                              turns=self.turns, greedy=greedy,
+                              turn_tokens=env.turn_max_new_tokens if multi else None,
+                              env_workers=env.num_workers if multi else 16)
+
+    def _generate_turns(self, prompts, seeds, constraints, n, greedy, rows) -> list[list[dict]]:
+        """Blocking multi-turn generation (sync pipeline, evaluation): a generation loop of its
+        own until every trajectory is done."""
+        if rows is None or len(rows) != len(prompts):
+            raise ValueError("multi-turn generation needs each prompt's row (rows=)")
+        keys = [("generate", i) for i in range(len(prompts))]
+        constraints = constraints or [None] * len(prompts)
+        loop = self._loop(n or self.engine.cfg.n, greedy)
+        done: dict = {}
+        try:
+            for key, row in zip(keys, rows):
+                self.turns.remember(key, row)
+            loop.submit(list(zip(keys, prompts, seeds, constraints)))
+            while len(done) < len(keys):
+                for group in loop.collect(timeout_s=60.0):
+                    done[group["key"]] = group["completions"]
+        finally:
+            loop.stop()
+            for key in keys:
+                self.turns.forget(key)
+        return [done[key] for key in keys]
 
     # ---- streaming generation (the asynchronous pipeline modes)
     def start_stream(self, interruptible: bool) -> None:
         """Generate from here on in a loop of its own (rollout.stream), fed by `submit`; a sync
         pauses it (cutting the sequences in flight when interruptible) until `resume_stream`."""
-        from rollout.stream import GenerationLoop
-
         self.stop_stream()
-        cfg = self.engine.cfg
-        self.stream = GenerationLoop(self.engine, self.policy_version, cfg.n, cfg.max_new_tokens)
+        self.stream = self._loop(self.engine.cfg.n)
         self.interruptible = interruptible
 
     def stop_stream(self) -> None:
@@ -163,8 +212,14 @@ class RolloutRole(Role):
             self.stream.stop()
             self.stream = None
 
-    def submit(self, groups: list[tuple]) -> None:
-        """(key, prompt ids, seed, constraint) per group, to generate rollout.n samples of."""
+    def submit(self, groups: list[tuple], rows: list[dict] | None = None) -> None:
+        """(key, prompt ids, seed, constraint) per group, to generate rollout.n samples of;
+        multi-turn, rows: what each group's environments are reset with."""
+        if self.turns is not None:
+            if rows is None or len(rows) != len(groups):
+                raise ValueError("multi-turn submit needs each group's row (rows=)")
+            for group, row in zip(groups, rows):
+                self.turns.remember(group[0], row)
         self.stream.submit(groups)
 
     def collect(self, timeout_s: float = 5.0) -> dict:
@@ -173,6 +228,8 @@ class RolloutRole(Role):
         last call (rollout.stream.GenerationLoop.take_times)}."""
         stream = self.stream  # a call in flight when the run stops the loop still returns
         groups = stream.collect(timeout_s)
+        for group in groups if self.turns is not None else ():
+            self.turns.forget(group["key"])
         return {"groups": groups, "stats": self.engine.take_stats(),
                 "times": stream.take_times()}
 

@@ -12,6 +12,23 @@ def sample_metrics(samples: list[Sample]) -> dict:
             / len(samples)}
 
 
+def env_metrics(samples: list[Sample]) -> dict:
+    """Multi-turn: per trajectory, its model turns and each count its env summed over its steps
+    (env/tool_calls, env/tool_errors, env/env_seconds, env/env_errors, ...), the fraction that
+    a limit cut or an env failure ended, and the fraction of response tokens that are the
+    env's (masked out of the loss)."""
+    n = len(samples)
+    keys = sorted({k for s in samples for k in s.env_info})
+    response = sum(len(s.response_ids) for s in samples)
+    out = {"env/turns": sum(s.turns for s in samples) / n,
+           "env/truncated_frac": sum(s.truncated for s in samples) / n,
+           "env/failed_frac": sum(bool(s.env_error) for s in samples) / n,
+           "env/masked_token_frac": 1.0 - sum(s.num_model_tokens for s in samples)
+           / max(response, 1)}
+    out.update({f"env/{k}": sum(s.env_info.get(k, 0) for s in samples) / n for k in keys})
+    return out
+
+
 def staleness_metrics(samples: list[Sample], policy_version: int) -> dict:
     """How far behind the policy each trained sample was: the update's starting version
     (policy_version - 1, once the step's sync is done) minus its first token's version."""
@@ -37,11 +54,33 @@ def time_metrics(step: int, batch, t0: float, t1: float, t2: float, t3: float,
     return metrics
 
 
-def rollout_records(samples: list[Sample], texts: list[str], log_samples: int) -> list[dict]:
+def conversation(s: Sample, decode) -> list[dict]:
+    """A multi-turn sample's response as its turns: {"model": text} for each run of the model's
+    tokens, {"env": text} for each observation between them (decode(ids): the text with the
+    template's special tokens, which mark the roles)."""
+    mask = s.loss_mask or [1] * len(s.response_ids)
+    turns, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            turns.append({"model" if mask[start] else "env": decode(s.response_ids[start:i])})
+            start = i
+    return turns
+
+
+def rollout_records(samples: list[Sample], texts: list[str], log_samples: int,
+                    decode=None) -> list[dict]:
     """rollouts.jsonl lines: the first log_samples samples (-1: all); texts: the prompts, row:
-    the prompt's index in the training rows."""
+    the prompt's index in the training rows. Multi-turn (decode given): the whole conversation
+    with its turns marked, and how it ended."""
     keep = samples if log_samples < 0 else samples[:log_samples]
-    return [{"row": s.row, "prompt": texts[s.row], "completion": s.text, "reward": s.reward,
-             "advantage": s.advantages[0] if s.advantages else 0.0,
-             "finish_reason": s.finish_reason, "policy_version": s.policy_version}
-            for s in keep]
+    records = []
+    for s in keep:
+        record = {"row": s.row, "prompt": texts[s.row], "completion": s.text, "reward": s.reward,
+                  "advantage": s.advantages[0] if s.advantages else 0.0,
+                  "finish_reason": s.finish_reason, "policy_version": s.policy_version}
+        if decode is not None:
+            record.update({"conversation": conversation(s, decode), "turns": s.turns,
+                           "truncated": s.truncated, "env_error": s.env_error,
+                           "trained": s.trained, "env_info": s.env_info})
+        records.append(record)
+    return records

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 
 from envs.api import Env, Step
+from envs.config import EnvConfig
+from envs.registry import env_factory
 from envs.render import observation_ids
 from rollout.stream import TurnResult
 
@@ -61,34 +63,46 @@ def _problem(step) -> str:
     return ""
 
 
-class EnvTurns:
-    """Made once per generation loop; `prompt_ids(key, row)` renders a group's first prompt
-    (the env's reset messages, its tools given to the template) and keeps the row for the
-    group's trajectories."""
+def check_env(cfg: EnvConfig, tokenizer) -> None:
+    """Make the run's environment once and render an observation with the model's chat
+    template: raises ValueError/TypeError with the reason (the caller names the key)."""
+    env = env_factory(cfg)()
+    observation_ids(tokenizer, [{"role": "tool", "content": "0"}], env.tools or None, None)
 
-    def __init__(self, env_cls: type, env_args: dict, tokenizer, max_turns: int,
-                 step_timeout_s: float):
-        self.env_cls, self.env_args, self.tokenizer = env_cls, dict(env_args), tokenizer
-        self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
+
+class EnvTurns:
+    """Made once per generation loop; `remember(key, row)` keeps the row (rl.data.prompts'
+    env_row) each trajectory of group `key` resets its environment with."""
+
+    def __init__(self, make_env, tokenizer, max_turns: int, step_timeout_s: float,
+                 spans=None):
+        """make_env: a callable making one environment (env_factory); spans: an
+        rl.observe.timeline.Spans that records each env step (timeline.json)."""
+        self.make_env, self.tokenizer = make_env, tokenizer
+        self.max_turns, self.step_timeout_s, self.spans = max_turns, step_timeout_s, spans
         self.rows: dict[object, dict] = {}
 
-    def prompt_ids(self, key: object, row: dict) -> list[int]:
-        env = self.env_cls(**self.env_args)
+    def remember(self, key: object, row: dict) -> None:
         self.rows[key] = row
-        return list(self.tokenizer.apply_chat_template(
-            env.reset(row), tools=env.tools or None, add_generation_prompt=True,
-            tokenize=True, return_dict=True)["input_ids"])
 
     def forget(self, key: object) -> None:
         """The group is done: its row is not needed any more."""
         self.rows.pop(key, None)
 
     def start(self, key: object, index: int) -> _Trajectory:
-        env = self.env_cls(**self.env_args)
+        env = self.make_env()
         env.reset(self.rows[key])
         return _Trajectory(env)
 
     def step(self, state: _Trajectory, turn_ids: list[int], finish_reason: str) -> TurnResult:
+        if self.spans is None:
+            return self._step(state, turn_ids)
+        lane = threading.current_thread().name.rpartition("_")[2]  # the pool's worker index
+        with self.spans.span("env step", turn=state.turns + 1,
+                             lane=1 + int(lane) if lane.isdigit() else 1):
+            return self._step(state, turn_ids)
+
+    def _step(self, state: _Trajectory, turn_ids: list[int]) -> TurnResult:
         state.turns += 1
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         t0 = time.perf_counter()

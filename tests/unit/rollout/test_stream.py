@@ -18,7 +18,7 @@ class ScriptedEngine:
         self.active = {}  # request id -> [prompt, generated, max_tokens, constraint]
         self.added = []  # (request id, prompt, max_tokens)
 
-    def add_request(self, request_id, prompt, seed, constraint, max_tokens):
+    def add_request(self, request_id, prompt, seed, constraint, max_tokens, greedy=False):
         self.active[request_id] = [list(prompt), [], [], max_tokens]
         self.added.append((request_id, list(prompt), max_tokens))
 

@@ -222,3 +222,42 @@ def test_shared_prompt_forward_attends_to_environment_tokens(tiny_lm):
         c = response_logits(tiny_lm, blind)
     after = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0, 0]]).bool()
     assert not torch.allclose(a[after], c[after], atol=1e-3)  # the test can tell the two apart
+
+
+def test_environment_positions_add_no_term_to_the_loss_kl_or_gradient(tiny_lm):
+    """Whatever advantages, behavior (old/rollout) and reference logprobs the observation
+    positions hold, the policy loss, its KL term and the gradient stay the same; were the
+    attention mask used as the loss mask, they would change."""
+    from update.config import LossConfig
+    from update.forward import response_logits, response_targets, token_logprobs
+    from update.losses import BatchCounts, LossInputs, policy_loss
+
+    samples = [multi_turn([5, 6, 7], [([8, 9], True), ([20, 21, 22], False), ([10, 11], True)]),
+               multi_turn([5, 6, 7], [([12], True), ([30, 31], False), ([13], True)])]
+    batch = collate(samples, pad_id=0)
+    cfg = LossConfig(kl_coef=0.1, use_kl_loss=True, correction="tis", clip_low=0.1)
+    env = batch["response_attention_mask"].bool() & ~batch["response_mask"].bool()
+    assert env.sum() == 5
+    shape = env.shape
+    gen = torch.Generator().manual_seed(0)
+    base = {k: -torch.rand(shape, generator=gen) for k in ("old", "rollout", "ref")}
+    base["adv"] = torch.randn(shape, generator=gen)
+
+    def run(fields, mask_key):
+        tiny_lm.zero_grad()
+        logprobs = token_logprobs(response_logits(tiny_lm, batch), response_targets(batch))
+        mask = batch[mask_key]
+        loss, metrics = policy_loss(LossInputs(
+            logprobs, fields["old"], fields["adv"], mask, BatchCounts(float(mask.sum()), 2.0),
+            ref_logprobs=fields["ref"], rollout_logprobs=fields["rollout"]), cfg)
+        loss.backward()
+        return loss.detach(), metrics["loss/kl"], [p.grad.clone() for p in tiny_lm.parameters()
+                                                   if p.grad is not None]
+
+    scrambled = {k: torch.where(env, v + 5.0 * torch.randn(shape, generator=gen), v)
+                 for k, v in base.items()}
+    for mask_key, same in (("response_mask", True), ("response_attention_mask", False)):
+        a, b = run(base, mask_key), run(scrambled, mask_key)
+        equal = [torch.equal(a[0], b[0]), torch.equal(a[1], b[1]),
+                 all(torch.equal(x, y) for x, y in zip(a[2], b[2]))]
+        assert equal == [same] * 3, (mask_key, equal)

@@ -2,6 +2,7 @@
 observations as the chat template's tokens (the conversation's tokens equal the template's
 rendering of it), and every way an environment can fail ending only its trajectory."""
 import asyncio
+import functools
 import time
 
 import pytest
@@ -9,7 +10,9 @@ import pytest
 from envs.api import Env, Step
 from envs.render import observation_ids
 from envs.tools import ToolEnv
+from rl.data.prompts import env_row, render_prompt
 from rl.run.turns import EnvTurns
+from rl.schema import DataConfig
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*482"}}\n</tool_call>'
 
@@ -35,10 +38,12 @@ def turn(tokenizer, text, end=True):
 
 
 def test_a_tool_turn_appends_the_templates_tokens_and_an_answer_ends(tokenizer):
-    turns = EnvTurns(ToolEnv, {"tools": ["calculator"]}, tokenizer, max_turns=4,
+    turns = EnvTurns(functools.partial(ToolEnv, tools=["calculator"]), tokenizer, max_turns=4,
                      step_timeout_s=5)
     row = {"prompt": "What is 37*482?"}
-    prompt = turns.prompt_ids("g", row)
+    data = DataConfig()
+    prompt = render_prompt(tokenizer, row, data, 0, turns.make_env())  # as PromptSet renders it
+    turns.remember("g", env_row(row, data, 0))
     state = turns.start("g", 0)
     model = turn(tokenizer, CALL)
     result = turns.step(state, model, "stop")
@@ -89,15 +94,15 @@ class AsyncEnv(Env):
     ("empty", "env.step returned neither an observation nor done"),
 ])
 def test_a_failing_environment_ends_its_trajectory_with_the_error(tokenizer, how, error):
-    turns = EnvTurns(Failing, {"how": how}, tokenizer, max_turns=4, step_timeout_s=0.2)
-    turns.prompt_ids("g", {"prompt": "hi"})
+    turns = EnvTurns(functools.partial(Failing, how), tokenizer, max_turns=4, step_timeout_s=0.2)
+    turns.remember("g", {"prompt": "hi"})
     result = turns.step(turns.start("g", 0), turn(tokenizer, "hello"), "stop")
     assert result.done and result.error == error and result.info["env_errors"] == 1
 
 
 def test_max_turns_truncates_and_async_envs_work(tokenizer):
-    turns = EnvTurns(AsyncEnv, {}, tokenizer, max_turns=2, step_timeout_s=5)
-    turns.prompt_ids("g", {"prompt": "hi"})
+    turns = EnvTurns(AsyncEnv, tokenizer, max_turns=2, step_timeout_s=5)
+    turns.remember("g", {"prompt": "hi"})
     state = turns.start("g", 0)
     first = turns.step(state, turn(tokenizer, "one"), "stop")
     assert "you said one" in tokenizer.decode(first.observation) and not first.done
@@ -117,6 +122,6 @@ def test_the_envs_reward_reaches_the_turn_result(tokenizer):
         def step(self, turn):
             return Step(done=True, reward=0.75)
 
-    turns = EnvTurns(Rewarding, {}, tokenizer, max_turns=2, step_timeout_s=5)
-    turns.prompt_ids("g", {"prompt": "hi"})
+    turns = EnvTurns(Rewarding, tokenizer, max_turns=2, step_timeout_s=5)
+    turns.remember("g", {"prompt": "hi"})
     assert turns.step(turns.start("g", 0), turn(tokenizer, "x"), "stop").reward == 0.75
