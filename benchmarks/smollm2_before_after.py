@@ -2,11 +2,13 @@
 before and after GRPO, with its standard error.
 
     .venv/bin/python benchmarks/smollm2_before_after.py              # run the recipe, then report
+    .venv/bin/python benchmarks/smollm2_before_after.py --recipe R   # another recipe
     .venv/bin/python benchmarks/smollm2_before_after.py --run DIR    # report a finished run
 
-The first form runs `rl-train recipes/smollm2_chain_sum.yaml` in a fresh process with an empty
+The first form runs `rl-train recipes/smollm2_chain_sum.yaml` (or R, e.g.
+recipes/smollm2_tools.yaml) in a fresh process with an empty
 cache (the GGUF model build and the task's rows are timed too; the run goes to
-runs/smollm2_before_after/) and reports its wall time.
+runs/smollm2_before_after/<recipe>/) and reports its wall time.
 Printed: greedy accuracy on the held-out prompts before step 1 and after the last step, each
 with its standard error sqrt(p(1-p)/n); the gain against twice the standard error of the
 difference (sqrt(se_before^2 + se_after^2), as if the two were independent: conservative for the
@@ -28,13 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/smollm2_chain_sum.yaml"
 
 
-def run_recipe(out: Path, cache: Path) -> tuple[Path, float]:
+def run_recipe(recipe: str, out: Path, cache: Path) -> tuple[Path, float]:
     exe = Path(sys.executable).with_name("rl-train")
+    name = Path(recipe).stem
     t0 = time.perf_counter()
-    subprocess.run([str(exe), RECIPE, f"run.output_dir={out}", "run.name=smollm2_chain_sum"],
+    subprocess.run([str(exe), recipe, f"run.output_dir={out}", f"run.name={name}"],
                    check=True, cwd=ROOT, env=dict(os.environ, RL_CACHE_DIR=str(cache)),
                    stdout=sys.stderr)
-    return out / "smollm2_chain_sum", time.perf_counter() - t0
+    return out / name, time.perf_counter() - t0
 
 
 def greedy_correct(path: Path) -> dict[str, bool]:
@@ -74,13 +77,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, help="report this finished run directory instead")
     ap.add_argument("--wall", type=float, help="with --run: its measured wall time, seconds")
+    ap.add_argument("--recipe", default=RECIPE, help=f"the recipe to run (default {RECIPE})")
     args = ap.parse_args()
     if args.run:
         report(args.run, args.wall)
         return
     out = ROOT / "runs" / "smollm2_before_after"
     with tempfile.TemporaryDirectory(prefix="smollm2_cache_") as cache:
-        run_dir, wall = run_recipe(out, Path(cache))
+        run_dir, wall = run_recipe(args.recipe, out, Path(cache))
     figures = report(run_dir, wall)
     (run_dir / "before_after.json").write_text(json.dumps(figures, indent=1))
     print(f"the run: {run_dir}")

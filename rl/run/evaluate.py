@@ -17,17 +17,20 @@ import time
 from pathlib import Path
 
 from rl.algo.batch import chunk
+from rl.run.step_metrics import conversation
 
 EVAL_SEED = 1_000_000_007  # apart from the rollout's seeds, which grow from run.seed and step
 
 
 class Evaluator:
-    def __init__(self, prompts, scorer, k: int, threshold: float, out_dir: Path | None = None):
+    def __init__(self, prompts, scorer, k: int, threshold: float, out_dir: Path | None = None,
+                 decode=None):
         """prompts: an rl.data.prompts.PromptSet of the held-out rows; scorer: an
         rl.run.rewarding.RewardScorer; out_dir: where each evaluation's responses go
-        (step_<N>.jsonl), or None."""
+        (step_<N>.jsonl), or None; decode: multi-turn, the tokenizer's decode, to write each
+        greedy trajectory's whole conversation."""
         self.prompts, self.scorer = prompts, scorer
-        self.k, self.threshold, self.out_dir = k, threshold, out_dir
+        self.k, self.threshold, self.out_dir, self.decode = k, threshold, out_dir, decode
 
     def _generate(self, engines: list, version: int | None, greedy: bool) -> list[list[dict]]:
         """Completions per held-out prompt, in order, the prompts spread over the engines."""
@@ -86,6 +89,9 @@ class Evaluator:
         lines = []
         for i, (g, r) in enumerate(zip(greedy, greedy_rewards)):
             line = {"prompt": self.prompts.texts[i], "greedy": g[0]["text"], "reward": r}
+            if self.decode is not None and "loss_mask" in g[0]:
+                line["conversation"] = conversation(g[0]["token_ids"], g[0]["loss_mask"],
+                                                    self.decode)
             if sampled is not None:
                 line["correct_of_k"] = sum(x >= self.threshold for x in sampled_rewards[i])
                 line["k"] = self.k
@@ -130,7 +136,7 @@ def evaluate_model(cfg, rows, model_dir: str, out_dir: Path | None = None) -> di
         placement = EnginesOnly(cfg)  # the run's engines, without its trainers
         placement.init_rollout(str(Path(model_dir).resolve()), 0)
         metrics = Evaluator(prompts, scorer, cfg.trainer.eval_k, cfg.trainer.eval_threshold,
-                            out_dir).run(placement.engines, 0, 0)
+                            out_dir, tokenizer.decode).run(placement.engines, 0, 0)
         print(console_line(0, metrics), flush=True)
     finally:
         scorer.close()

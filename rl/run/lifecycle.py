@@ -85,7 +85,8 @@ class RunLifecycle:
             from rl.run.evaluate import Evaluator
 
             self.evaluator = Evaluator(self.held_out, self.scorer, cfg.trainer.eval_k,
-                                       cfg.trainer.eval_threshold, self.run_dir / "eval")
+                                       cfg.trainer.eval_threshold, self.run_dir / "eval",
+                                       self.tokenizer.decode)
         self.grad_accum = grad_accum_steps(cfg)
         # n samples of each prompt: the trainers run each prompt once (update.forward)
         self.share_prompts = cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1

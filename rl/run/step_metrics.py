@@ -54,15 +54,15 @@ def time_metrics(step: int, batch, t0: float, t1: float, t2: float, t3: float,
     return metrics
 
 
-def conversation(s: Sample, decode) -> list[dict]:
-    """A multi-turn sample's response as its turns: {"model": text} for each run of the model's
-    tokens, {"env": text} for each observation between them (decode(ids): the text with the
+def conversation(response_ids: list[int], loss_mask: list[int], decode) -> list[dict]:
+    """A multi-turn response as its turns: {"model": text} for each run of the model's tokens,
+    {"env": text} for each observation between them (decode(ids): the text with the
     template's special tokens, which mark the roles)."""
-    mask = s.loss_mask or [1] * len(s.response_ids)
+    mask = loss_mask or [1] * len(response_ids)
     turns, start = [], 0
     for i in range(1, len(mask) + 1):
         if i == len(mask) or mask[i] != mask[start]:
-            turns.append({"model" if mask[start] else "env": decode(s.response_ids[start:i])})
+            turns.append({"model" if mask[start] else "env": decode(response_ids[start:i])})
             start = i
     return turns
 
@@ -79,7 +79,8 @@ def rollout_records(samples: list[Sample], texts: list[str], log_samples: int,
                   "advantage": s.advantages[0] if s.advantages else 0.0,
                   "finish_reason": s.finish_reason, "policy_version": s.policy_version}
         if decode is not None:
-            record.update({"conversation": conversation(s, decode), "turns": s.turns,
+            record.update({"conversation": conversation(s.response_ids, s.loss_mask, decode),
+                           "turns": s.turns,
                            "truncated": s.truncated, "env_error": s.env_error,
                            "trained": s.trained, "env_info": s.env_info})
         records.append(record)

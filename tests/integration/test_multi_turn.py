@@ -102,6 +102,8 @@ def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing
     assert metrics["sync/logprob_max_abs_diff"] < 1e-3  # the update was synced and checked
     assert metrics["eval/num_prompts"] == 16  # the held-out rows ran the script too, greedily
     run_dir = c.run_dir
+    greedy = [json.loads(x) for x in (run_dir / "eval" / "step_1.jsonl").read_text().splitlines()]
+    assert sum(len(g["conversation"]) == 5 for g in greedy) == 12  # the "ok" rows
     records = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     full = next(r for r in records if r["turns"] == 3)
     assert [next(iter(t)) for t in full["conversation"]] == ["model", "env", "model", "env",
