@@ -19,7 +19,7 @@ SMALL = ["trainer.total_steps=2", "rollout.prompts_per_step=8", "rollout.n=4",
          "ray.num_cpus_per_worker=0.5", "ray.num_cpus_per_rollout_worker=0.5"]
 # Recipes on a real pretrained model take minutes even for 2 steps (6.4 min for SmolLM2-135M on
 # 2 cores): benchmarks/smollm2_before_after.py runs them; tests/unit/rewards checks their data.
-REAL_MODEL = {"smollm2_chain_sum.yaml"}
+REAL_MODEL = {"smollm2_chain_sum.yaml", "smollm2_tools.yaml"}
 RECIPES = [r for r in RECIPES if r not in REAL_MODEL]
 
 
