@@ -192,6 +192,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ray.rollout_resources places rollout engines of their own: it needs "
                           "placement=disaggregated (colocated workers take ray.trainer_resources)")
     check_pipeline(cfg)
+    check_speculation(cfg)
     check_eval(cfg)
     check_env_section(cfg)
     if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
@@ -226,11 +227,6 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"pipeline.mode={pipe.mode} overlaps generation with the update, but "
                           f"placement={cfg.placement} runs both roles on the same cores, taking "
                           f"turns; set placement=disaggregated (or pipeline.mode=sync)")
-    if cfg.rollout.speculative_method is not None:
-        raise ConfigError(f"rollout.speculative_method={cfg.rollout.speculative_method} with "
-                          f"pipeline.mode={pipe.mode}: streaming engines do not rescore the "
-                          f"speculated tokens' logprobs yet; drop the speculation or use "
-                          f"pipeline.mode=sync")
     if cfg.algorithm.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling resamples within a step, which the async "
                           "pipeline modes do not have; use pipeline.mode=sync for DAPO's "
@@ -267,10 +263,20 @@ def check_env_section(cfg: Config) -> None:
         raise ConfigError(f"env.turn_max_new_tokens={env.turn_max_new_tokens} exceeds the "
                           f"trajectory's budget rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}; lower it or raise the budget")
-    if cfg.rollout.speculative_method is not None:
-        raise ConfigError(f"rollout.speculative_method={cfg.rollout.speculative_method} with "
-                          f"env.name={env.name}: multi-turn generation does not rescore "
-                          f"speculated tokens' logprobs; drop the speculation")
+
+
+def check_speculation(cfg: Config) -> None:
+    """Speculated tokens' logprobs are rescored by the engine's blocking generate only; what
+    goes through rollout.stream's generation loop (the async pipeline modes, multi-turn
+    rollouts) would train on the draft's logprobs."""
+    spec = cfg.rollout.speculative_method
+    loop = ([f"pipeline.mode={cfg.pipeline.mode}"] * (cfg.pipeline.mode != "sync")
+            + [f"env.name={cfg.env.name}"] * (cfg.env.name is not None))
+    if spec is not None and loop:
+        raise ConfigError(f"rollout.speculative_method={spec} with {loop[0]}: the generation "
+                          f"loop (async pipeline modes, multi-turn) does not rescore the "
+                          f"speculated tokens' logprobs yet; drop the speculation or use "
+                          f"pipeline.mode=sync without an env")
 
 
 LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name: package

@@ -133,7 +133,7 @@ def render_prompt(tokenizer, row: dict, cfg: DataConfig, index: int, env=None) -
     row's env_row, and its tools go to the template (`tools=`)."""
     messages, tools = prompt_messages(row, cfg, index), None
     if env is not None:
-        messages = env.reset({**row, "prompt": messages})
+        messages = env.reset(env_row(row, cfg, index))
         tools = env.tools or None
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **({"tools": tools} if tools else {}))

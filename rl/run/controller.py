@@ -95,9 +95,10 @@ class Controller(RunLifecycle):
         the tokens of the budget (rollout.max_new_tokens) spent."""
         algo, max_len = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
         rewards, metrics = self.scorer.score(
-            [self.prompts.rows[s.row] for s in samples], [s.text for s in samples])
+            [self.prompts.rows[s.row] for s in samples], [s.text for s in samples],
+            [s.env_reward for s in samples])
         for s, r in zip(samples, rewards):
-            s.reward = r if s.env_reward is None else s.env_reward
+            s.reward = r
             s.score = s.reward + overlong_penalty(len(s.response_ids), max_len,
                                                   algo.overlong_buffer, algo.overlong_penalty)
         if self.cfg.env.name is not None:

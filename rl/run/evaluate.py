@@ -50,10 +50,9 @@ class Evaluator:
 
     def _score(self, groups: list[list[dict]]) -> list[list[float]]:
         rows = [self.prompts.rows[i] for i, g in enumerate(groups) for _ in g]
-        rewards, _ = self.scorer.score(rows, [c["text"] for g in groups for c in g])
         # multi-turn: an env's own reward, where it gave one, is the trajectory's (as in training)
-        given = [c.get("env_reward") for g in groups for c in g]
-        rewards = [r if e is None else e for r, e in zip(rewards, given)]
+        rewards, _ = self.scorer.score(rows, [c["text"] for g in groups for c in g],
+                                       [c.get("env_reward") for g in groups for c in g])
         out, at = [], 0
         for g in groups:
             out.append(rewards[at:at + len(g)])

@@ -54,7 +54,7 @@ class RunLifecycle:
         make_env = env_factory(cfg.env)  # multi-turn: prompts are what the env resets to
         if make_env is not None:
             try:  # the model's chat template must render observations after a model turn
-                check_env(cfg.env, self.tokenizer)
+                check_env(make_env, self.tokenizer)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"env.name={cfg.env.name!r} with model.path="
                                   f"{cfg.model.path!r}: {e}") from None

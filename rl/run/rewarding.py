@@ -144,8 +144,11 @@ class RewardScorer:
                   f"{self.cfg.fallback}); first failure, later ones are only counted in "
                   f"reward/errors and reward/timeouts:\n{detail}", flush=True)
 
-    def score(self, rows: list[dict], completions: list[str]) -> tuple[list[float], dict]:
-        """Total rewards in sample order, plus per-term means and failure counts."""
+    def score(self, rows: list[dict], completions: list[str],
+              given: list[float | None] | None = None) -> tuple[list[float], dict]:
+        """Total rewards in sample order, plus per-term means and failure counts. given:
+        multi-turn, the reward each trajectory's environment gave (None where it gave none):
+        it is that sample's total."""
         n, fallback = len(rows), self.cfg.fallback
         values = {i: [fallback] * n for i in range(len(self.cfg.functions))}
         errors = timeouts = 0
@@ -188,6 +191,8 @@ class RewardScorer:
                     values[i][j] = float(v)
         totals = [sum(t.weight * values[i][j] for i, t in enumerate(self.cfg.functions))
                   for j in range(n)]
+        if given is not None:
+            totals = [t if g is None else g for t, g in zip(totals, given)]
         metrics = {f"reward/{a}/mean": sum(values[i]) / max(n, 1)
                    for i, a in enumerate(self.aliases)}
         metrics.update({"reward/errors": float(errors), "reward/timeouts": float(timeouts)})

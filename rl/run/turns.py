@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 
 from envs.api import Env, Step
-from envs.config import EnvConfig
-from envs.registry import env_factory
 from envs.render import observation_ids
 from rollout.stream import TurnResult
 
@@ -63,10 +61,11 @@ def _problem(step) -> str:
     return ""
 
 
-def check_env(cfg: EnvConfig, tokenizer) -> None:
-    """Make the run's environment once and render an observation with the model's chat
-    template: raises ValueError/TypeError with the reason (the caller names the key)."""
-    env = env_factory(cfg)()
+def check_env(make_env, tokenizer) -> None:
+    """Make the run's environment once (make_env: envs.registry.env_factory's) and render an
+    observation with the model's chat template: raises ValueError/TypeError with the reason
+    (the caller names the key)."""
+    env = make_env()
     observation_ids(tokenizer, [{"role": "tool", "content": "0"}], env.tools or None, None)
 
 

@@ -79,6 +79,8 @@ CONFIG_CASES = {
     "environment argument it does not take": (["env.name=tools", "env.args={retries: 2}"],
                                               ["env.tools/env.args", "retries"]),
     "tools without an environment": (["env.tools=[calculator]"], ["env.tools", "env.name"]),
+    "multi-turn with speculative decoding": (["env.name=tools", "rollout.speculative_method=ngram"],
+                                             ["rollout.speculative_method", "env.name=tools"]),
     "a turn longer than the trajectory's budget": (
         ["env.name=tools", "env.turn_max_new_tokens=64"],
         ["env.turn_max_new_tokens=64", "rollout.max_new_tokens=8"]),

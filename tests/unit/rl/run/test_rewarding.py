@@ -75,6 +75,16 @@ def test_async_and_batched_rewards_with_args(plugin):
         s.close()
 
 
+def test_an_environments_own_reward_is_its_samples_total(plugin):
+    s = scorer([RewardTerm(name=f"{plugin}:async_len")])
+    try:
+        totals, m = s.score([{"prompt": "p", "answer": "1"}] * 2, ["a", "bb"], [None, 0.25])
+        assert totals == [1.0, 0.25]  # the term's mean still reports what the term scored
+        assert m["reward/async_len/mean"] == pytest.approx(1.5)
+    finally:
+        s.close()
+
+
 def test_unknown_reward_fails_at_start_with_known_names():
     with pytest.raises(ValueError, match="reward 'mathh' is not registered; known: "):
         scorer([RewardTerm(name="mathh")])
