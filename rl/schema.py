@@ -179,6 +179,10 @@ class SyncConfig:
     "Disaggregated: per-bucket checksum verified on arrival (sum64: fast, on device; crc32)."
     timeout_s: float = field(default=600.0, metadata={"bound": "> 0"})
     "Disaggregated: seconds a sync-group operation may wait for a peer before it fails."
+    lora: str = "adapters"
+    ("With trainer.lora, what each sync moves: adapters (the adapter alone, loaded into the "
+     "engines' LoRA support as a new adapter per policy version, the old one removed) or "
+     "merged (base + adapter merged on the trainer side, synced as full weights).")
 
 
 @dataclass

@@ -2,6 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class LoraConfig:
+    rank: int = field(default=8, metadata={"bound": ">= 1"})
+    "Rank r of each adapter (A: r x in, B: out x r)."
+    alpha: float = field(default=16.0, metadata={"bound": "> 0"})
+    "Scale numerator: the adapter adds (alpha / rank) * B @ A to each target's weight."
+    dropout: float = field(default=0.0, metadata={"bound": "in [0, 1)"})
+    "Dropout on the adapters' input in training (0: none; rollouts never drop)."
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    ("Modules that get an adapter, as PEFT matches them: names or name suffixes (q_proj, "
+     "v_proj, ...), or all-linear (every linear layer but the output head).")
 
 
 @dataclass
@@ -20,6 +34,10 @@ class TrainerConfig:
      "of ZeRO-3 module by module, so seeded curves move); 0 gathers module by module. 1e9 "
      "(DeepSpeed's bound on live parameters) for speed. The frozen reference is gathered whole "
      "up to 1e9 anyway (no number changes).")
+    lora: Optional[LoraConfig] = None
+    ("Train LoRA adapters (PEFT) instead of the whole model: only they enter the optimizer and "
+     "the checkpoints, the base stays frozen and is the reference policy (the adapter switched "
+     "off: no second model). None: full fine-tuning.")
     dtype: str = "float32"
     "Training precision: float32 or bfloat16 (bf16 keeps fp32 master weights)."
     bf16_mode: str = "weights"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -126,14 +126,18 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
     return config
 
 
-def save_engine(engine, directory: str, tag: str) -> None:
-    engine.save_checkpoint(directory, tag=tag, save_latest=False)
+def save_engine(engine, directory: str, tag: str, trained_only: bool = False) -> None:
+    """trained_only: leave frozen parameters out (LoRA: the base is the model the run loads)."""
+    engine.save_checkpoint(directory, tag=tag, save_latest=False,
+                           exclude_frozen_parameters=trained_only)
 
 
-def load_engine(engine, directory: str, tag: str) -> None:
-    """Weights, optimizer and LR state exactly as saved (a resumed step is bit-identical)."""
+def load_engine(engine, directory: str, tag: str, trained_only: bool = False) -> None:
+    """Weights, optimizer and LR state exactly as saved (a resumed step is bit-identical);
+    trained_only: a checkpoint without the frozen parameters (which the engine holds already)."""
     path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True, load_module_strict=True)
+                                     load_lr_scheduler_states=True,
+                                     load_module_strict=not trained_only)
     if path is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint {directory}/{tag}")
 
@@ -320,7 +324,14 @@ def _to(mb: dict, key: str, dev):
 
 
 class PolicyTrainer:
-    """The policy on a DeepSpeed engine, plus a frozen reference engine when KL is used."""
+    """The policy on a DeepSpeed engine, plus a frozen reference engine when KL is used.
+
+    With `cfg.lora` the policy is the base model with LoRA adapters (update.lora): only they
+    train and enter the optimizer and checkpoints, and the reference is the same module with
+    the adapters switched off (no second model)."""
+
+    peft = None  # the PeftModel handle of a LoRA policy
+    _merged = None  # with LoRA: the merged model of the current weights, once a sync built it
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
                  grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0):
@@ -333,16 +344,26 @@ class PolicyTrainer:
         self.world_size = dist.get_world_size()
         self.grad_accum = grad_accum
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model_path = model_path
+        if cfg.lora is not None:
+            from update.lora import add_adapters
+
+            self.peft = add_adapters(model, cfg.lora)  # in place: `model` holds the adapters
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+            if self.peft is not None:  # a frozen embedding: checkpointed layers need a grad
+                model.enable_input_require_grads()
         model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                       weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
             model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
             config=ds_config(cfg, self.world_size, grad_accum))
         self.ref = None
-        if loss_cfg.kl_coef > 0:
+        # LoRA: the reference is the policy with its adapters off
+        self.base_reference = loss_cfg.kl_coef > 0 and self.peft is not None
+        if loss_cfg.kl_coef > 0 and self.peft is None:
             ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref_model.requires_grad_(False)
             self.ref, *_ = deepspeed.initialize(
@@ -405,10 +426,26 @@ class PolicyTrainer:
         with scoring(self.engine) as policy:  # the reference only ever runs this forward
             for mb in micro_batches:
                 item = {"old_logprobs": self._forward(policy, mb)[0].cpu()}
-                if self.ref is not None:
-                    item["ref_logprobs"] = self._forward(self.ref, mb)[0].cpu()
+                ref = self._ref_logprobs(mb, policy)
+                if ref is not None:
+                    item["ref_logprobs"] = ref.cpu()
                 out.append(item)
         return out
+
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: dict, policy=None) -> torch.Tensor | None:
+        """The reference's token logprobs of a micro-batch (None without a reference): the
+        reference engine's, or with LoRA the policy's with its adapters off, run by `policy`
+        (what `scoring` gives; opened here when None)."""
+        if self.ref is not None:
+            return self._forward(self.ref, mb)[0]
+        if not self.base_reference:
+            return None
+        with ExitStack() as stack:
+            if policy is None:
+                policy = stack.enter_context(scoring(self.engine))
+            stack.enter_context(self.peft.disable_adapter())
+            return self._forward(policy, mb)[0]
 
     def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:
         """One optimizer step of the policy loss; metrics are this rank's share of global means.
@@ -419,6 +456,7 @@ class PolicyTrainer:
         metrics come from this forward.
         """
         self._check_accum(micro_batches)
+        self._merged = None
         self.engine.train()
         counts = BatchCounts(counts.num_tokens, counts.num_seqs, self.norm_length)
         sums: dict[str, float] = {}
@@ -426,9 +464,8 @@ class PolicyTrainer:
             dev = self.engine.device
             one_pass = "old_logprobs" not in mb
             ref = _to(mb, "ref_logprobs", dev)
-            if ref is None and self.ref is not None:
-                with torch.no_grad():
-                    ref = self._forward(self.ref, mb)[0]
+            if ref is None:
+                ref = self._ref_logprobs(mb)
             grad_entropy = self.loss_cfg.entropy_coef > 0
             with torch.set_grad_enabled(True):
                 logprobs, ent = self._forward(self.engine, mb, entropy=grad_entropy)
@@ -453,6 +490,7 @@ class PolicyTrainer:
     def sft_step(self, micro_batches: list[dict], num_tokens: float) -> dict:
         """One optimizer step of supervised NLL on the response tokens (the warm-up)."""
         self._check_accum(micro_batches)
+        self._merged = None
         self.engine.train()
         total = 0.0
         for mb in micro_batches:
@@ -477,17 +515,64 @@ class PolicyTrainer:
     def save_checkpoint(self, directory: str, tag: str) -> None:
         """DeepSpeed checkpoint (model, optimizer, LR state) in directory/tag; every rank calls.
         No `latest` file: the caller publishes a checkpoint once every part of it is written."""
-        save_engine(self.engine, directory, tag)
+        save_engine(self.engine, directory, tag, trained_only=self.peft is not None)
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
-        load_engine(self.engine, directory, tag)
+        self._merged = None
+        load_engine(self.engine, directory, tag, trained_only=self.peft is not None)
 
     def full_state_dict(self) -> dict | None:
         """Unsharded weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
         return full_state_dict(self.engine, self.cfg)
 
+    def _whole(self, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter of the HF model (or its adapters only), whole, on every rank (one
+        all-gather per dtype under ZeRO-3)."""
+        from update.lora import is_adapter
+
+        params = {n: p for n, p in self.module.named_parameters()
+                  if not adapters_only or is_adapter(n)}
+        if self.cfg.zero_stage == 3:
+            return gathered_weights(params)
+        return {n: p.detach() for n, p in params.items()}
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapter tensors, whole, on every rank (a collective under ZeRO-3)."""
+        return self._whole(adapters_only=True)
+
+    def sync_module(self) -> torch.nn.Module:
+        """The HF model a full-weight sync sends: the policy itself; with LoRA a plain model of
+        the merged weights (W + scale * B @ A), built on every rank once per policy version, so
+        that a sync and its byte check read the same tensors (a collective under ZeRO-3)."""
+        if self.peft is None:
+            return self.module
+        if self._merged is None:
+            from update.lora import merged, plain_model, scale
+
+            self._merged = plain_model(self.module.config,
+                                       merged(self._whole(), scale(self.cfg.lora)),
+                                       dict(self.module.named_buffers()))
+        return self._merged
+
+    def release_merged(self) -> None:
+        """Drop the merged model a sync built (LoRA, sync.lora=merged): a full copy per rank."""
+        self._merged = None
+
     def save_hf(self, directory: str) -> None:
-        """An HF model directory loadable by from_pretrained (weights only; rank 0 writes)."""
+        """An HF model directory loadable by from_pretrained (weights only; rank 0 writes).
+        With LoRA: `directory` is the adapter (loadable with peft, on the base model) and
+        `directory`_merged the merged model."""
+        import torch.distributed as dist
+
+        if self.peft is not None:
+            from update.lora import adapter_config, write_adapter
+
+            adapter = self.adapter_weights()
+            model = self.sync_module()
+            if dist.get_rank() == 0:
+                write_adapter(directory, adapter, adapter_config(self.cfg.lora, self.model_path))
+                model.save_pretrained(f"{directory}_merged")
+            return
         state = self.full_state_dict()
         if state is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     world = len(workers)
     per_rank = max(1, w.batch_size // world)
     grad_accum = -(-per_rank // cfg.trainer.micro_batch_size)
-    trainer_cfg = replace(cfg.trainer, lr=w.lr)
+    trainer_cfg = replace(cfg.trainer, lr=w.lr, lora=None)  # the warm-up makes the base model
     loss_cfg = replace(cfg.algorithm.loss, kl_coef=0.0)
     ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
              for wk in workers])

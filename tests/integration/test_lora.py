@@ -1,0 +1,146 @@
+"""LoRA on the real DeepSpeed trainer (2 ranks over gloo, the quickstart's shared-prompt layout,
+a KL reference): after a step only the adapters moved and the base is bit-identical, at ZeRO-2
+and ZeRO-3 alike (1e-6); the reference is the base model (its logprobs equal those of the
+model loaded alone); the merged model scores as the adapted policy; and the checkpoint holds
+the adapters and their optimizer state only, from which the next step is bit-identical."""
+import pytest
+
+from tests.integration.test_shared_prompts import rank_samples
+from tests.spawn import spawn_world
+
+pytestmark = pytest.mark.slow
+
+PROBE = list(range(3, 40))
+
+
+def _logprobs(model, ids):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _run(rank: int, world_size: int, port: int, path: str, ckpt: str, out) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.algo.batch import collate
+    from update.config import LoraConfig, LossConfig, TrainerConfig
+    from update.trainer import PolicyTrainer, init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world_size, "127.0.0.1", port)
+    samples, counts = rank_samples(rank, world_size, shortest=2)
+    loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    results = {}
+    for stage in (2, 3):
+        cfg = TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=stage,
+                            lora=LoraConfig(rank=4, alpha=8.0))
+        trainer = PolicyTrainer(path, cfg, loss_cfg, grad_accum=1)
+        before = {k: v.clone() for k, v in trainer._whole().items()}
+        batch = collate(samples, 0, share_prompts=True)
+        prepared = trainer.prepare([batch])[0]
+        batch.update(prepared)
+        metrics = [trainer.train_step([batch], counts)]
+        after = {k: v.clone() for k, v in trainer._whole().items()}
+        later = trainer.prepare([collate(samples, 0, share_prompts=True)])[0]
+        merged = _logprobs(trainer.sync_module(), PROBE)
+        trainer_probe = torch.tensor(trainer.sequence_logprobs(PROBE))
+        trainer.save_checkpoint(ckpt + f"/z{stage}", "policy")
+        metrics.append(trainer.train_step([collate(samples, 0, share_prompts=True)], counts))
+        results[stage] = dict(
+            before=before, after=after, metrics=metrics, ref=prepared["ref_logprobs"],
+            old=prepared["old_logprobs"], later=later, merged_probe=merged,
+            trainer_probe=trainer_probe,
+            trained=[n for n, p in trainer.module.named_parameters() if p.requires_grad])
+        del trainer
+        resumed = PolicyTrainer(path, cfg, loss_cfg, grad_accum=1)
+        resumed.load_checkpoint(ckpt + f"/z{stage}", "policy")
+        results[stage]["resumed"] = resumed.train_step(
+            [collate(samples, 0, share_prompts=True)], counts)
+        del resumed
+    # the reference without LoRA: a second model loaded from the path
+    full = PolicyTrainer(path, TrainerConfig(micro_batch_size=12, zero_stage=2), loss_cfg, 1)
+    results["ref_loaded"] = full.prepare([collate(samples, 0, share_prompts=True)])[0][
+        "ref_logprobs"]
+    results["base_probe"] = _logprobs(base, PROBE)
+    out[rank] = results
+
+
+def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path):
+    import torch
+
+    from rl.data.models import build_tiny_model
+
+    path = str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m"))
+    out = spawn_world(_run, 2, path, str(tmp_path / "ckpt"))
+    for rank in (0, 1):
+        r = out[rank]
+        for stage in (2, 3):
+            s = r[stage]
+            assert s["trained"] and all(".lora_" in n for n in s["trained"]), s["trained"][:4]
+            moved = [n for n in s["before"] if not torch.equal(s["before"][n], s["after"][n])]
+            assert moved and all(".lora_" in n for n in moved), moved[:4]
+            assert len([n for n in moved if ".lora_B" in n]) == len(
+                [n for n in s["before"] if ".lora_B" in n])  # every B left zero
+            # the reference is the base: equal to a separately loaded base model's
+            assert (s["ref"] - r["ref_loaded"]).abs().max() < 1e-6
+            assert (s["old"] - r["ref_loaded"]).abs().max() < 1e-6  # B = 0: policy = base
+            # a step later: the reference is still the base, the policy moved
+            assert (s["later"]["ref_logprobs"] - r["ref_loaded"]).abs().max() < 1e-6
+            assert (s["later"]["old_logprobs"] - r["ref_loaded"]).abs().max() > 1e-3
+            assert (s["merged_probe"] - s["trainer_probe"]).abs().max() < 1e-5
+            assert (s["trainer_probe"] - r["base_probe"]).abs().max() > 1e-3  # it learned
+            # resumed from the checkpoint (adapters and their optimizer state): bit-identical
+            assert s["resumed"] == s["metrics"][1], (s["resumed"], s["metrics"][1])
+    # the checkpoints hold the adapters and their optimizer state, not the base
+
+    for stage in (2, 3):
+        files = list((tmp_path / "ckpt" / f"z{stage}").rglob("*"))
+        size = sum(f.stat().st_size for f in files if f.is_file())
+        base_bytes = sum(v.numel() * 4 for k, v in out[0][stage]["before"].items()
+                         if ".lora_" not in k)
+        assert size < base_bytes, (stage, size, base_bytes)
+    for rank in (0, 1):
+        r = out[rank]
+        for k in ("before", "after"):
+            for n in r[2][k]:
+                assert (r[2][k][n] - r[3][k][n]).abs().max() < 1e-6, (k, n)
+        assert abs(r[2]["metrics"][0]["loss/policy"] - r[3]["metrics"][0]["loss/policy"]) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["adapters", "merged"])
+def test_lora_syncs_pass_the_probe_and_a_skipped_one_is_caught(ray_session, placements,
+                                                               tmp_path_factory, mode):
+    """2 colocated workers (ZeRO-3 + vLLM): each sync makes the engines the adapted policy (the
+    probe agrees; `adapters` moves the adapter's bytes only, into a new vLLM adapter per
+    version, the old one removed), and after a real step without a sync the engines' stale
+    adapter is caught by the probe."""
+    from tests.integration.test_weight_sync import colocated, update_once
+    from weight_sync.verify import SyncVerificationError, check_logprobs
+
+    ray = ray_session
+    probe = list(range(3, 60))
+    with colocated(placements, tmp_path_factory, "tiny-qwen2", 5, "trainer.lora.rank=4",
+                   f"sync.lora={mode}", "algorithm.loss.kl_coef=0.01") as (
+            workers, cfg, placement, _):
+        tolerance = placement.measure_probe_noise(probe)["sync/tolerance"]
+        full_bytes = ray.get(workers[0].__ray_call__.remote(
+            lambda self: sum(p.numel() * 4 for n, p in self.engine.parameters().items())))
+        for version in (1, 2):
+            update_once(ray, workers)
+            for trainer, engine in placement.probe_pairs(probe):  # not synced: stale
+                with pytest.raises(SyncVerificationError):
+                    check_logprobs(trainer, engine, tolerance, "engine")
+            stats = placement.sync(version, probe)
+            assert stats["sync/logprob_max_abs_diff"] <= tolerance
+            loaded = ray.get([w.__ray_call__.remote(
+                lambda self: sorted(self.engine.llm.llm_engine.list_loras())
+                if self.engine.lora_rank else []) for w in workers])
+            if mode == "adapters":
+                assert stats["sync/bytes"] < 0.05 * full_bytes, (stats["sync/bytes"], full_bytes)
+                assert loaded == [[version + 1]] * 2  # the new adapter only
+            else:
+                assert stats["sync/bytes"] >= full_bytes * 0.9 and loaded == [[]] * 2
