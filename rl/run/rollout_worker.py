@@ -25,10 +25,11 @@ class RolloutRole(Role):
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
-                     version: int = 0, env=None) -> str:
+                     version: int = 0, env=None, lora_rank: int = 0) -> str:
         """A new engine holding `version` (the weights at model_path); returns how it runs the
         model: "compiled" or "eager" (rollout.enforce_eager). env: an envs.config.EnvConfig
-        whose name makes every trajectory multi-turn (rl.run.turns)."""
+        whose name makes every trajectory multi-turn (rl.run.turns). lora_rank > 0: the
+        policy is the model with a LoRA adapter, which each sync replaces (`load_adapter`)."""
         import gc
 
         from rollout.vllm_engine import VLLMEngine
@@ -48,7 +49,8 @@ class RolloutRole(Role):
         self.close_engine()
         gc.collect()
         self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device,
-                                 core_binding=self.tp_cores(cfg.tensor_parallel_size))
+                                 core_binding=self.tp_cores(cfg.tensor_parallel_size),
+                                 lora_rank=lora_rank)
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
@@ -61,10 +63,15 @@ class RolloutRole(Role):
     def close_engine(self) -> None:
         """Stop the generation loop and shut the engine down (keeping a colocated trainer's
         process group: rollout.vllm_engine.VLLMEngine.close)."""
+        import shutil
+
+        from weight_sync.adapters import adapter_dir
+
         self.stop_stream()
         if self.engine is not None:
             self.engine.close()
         self.engine = self.policy_version = self.packed = None
+        shutil.rmtree(adapter_dir(0).parent, ignore_errors=True)  # LoRA adapters it loaded
 
     def free_models(self) -> None:
         self.close_engine()
@@ -270,6 +277,46 @@ class RolloutRole(Role):
         return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/bytes_per_tp_rank": per_rank,
                 "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
+
+    @traced("sync")
+    def load_adapter(self, version: int, adapter: dict) -> dict:
+        """Adapter sync (trainer.lora with sync.lora=adapters), receiving side: `adapter` (what
+        `TrainerRole.adapter_payload` made) checked against its checksum, written as PEFT's
+        files to shared memory and loaded into the engine as policy `version`. Streaming, the
+        loop pauses first and stays paused until `resume_stream`, as for full weights."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.stream is not None:
+            self.stream.pause(interrupt=self.interruptible)
+        self.policy_version = None  # until the adapter has arrived and checked out
+        nbytes = self.install_adapter(version, adapter)
+        self.policy_version = version
+        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": nbytes,
+                "sync/bytes_per_tp_rank": nbytes, "sync/direct_load": 0.0}
+
+    def install_adapter(self, version: int, adapter: dict) -> int:
+        """Check `adapter` against its checksum, write it as PEFT's files to shared memory and
+        load it into the engine as policy `version` (the previous one's files removed);
+        returns its bytes."""
+        import shutil
+
+        from update.lora import write_adapter
+        from weight_sync.adapters import adapter_dir, checksum
+        from weight_sync.transport import WeightSyncError
+
+        got = checksum(adapter["tensors"], adapter["checksum_name"])
+        if got != adapter["checksum"]:
+            raise WeightSyncError(f"rollout engine {self.rank}: the adapter of policy version "
+                                  f"{version} arrived corrupted (checksum {got:#x}, sent "
+                                  f"{adapter['checksum']:#x})")
+        old = self.engine.lora
+        path = adapter_dir(version)
+        nbytes = write_adapter(path, adapter["tensors"], adapter["config"])
+        self.engine.load_adapter(version, str(path))
+        if old is not None:
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        return nbytes
 
     def engine_dtype(self) -> str:
         return self.engine.dtype

@@ -59,9 +59,15 @@ class TrainerRole(Role):
 
     @traced("update")
     def train(self, micro_batches: list[dict], counts) -> dict:
+        """One optimizer step; metrics are this rank's shares (summed over the ranks), also
+        its process's peak resident memory so far (colocated: with its engine)."""
+        import resource
+
         metrics = self.trainer.train_step(micro_batches, counts)
         if self.critic is not None:
             metrics.update(self.critic.train_step(micro_batches, counts))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        metrics["memory/trainer_peak_rss_mib"] = peak / 1024
         return metrics
 
     @traced("warm-up")
@@ -91,12 +97,28 @@ class TrainerRole(Role):
                                                                 len(self.engine_layout)))
         transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots,
                                        engine)
-        stats = transport.send(self.trainer.module, version, corrupt_bucket)
+        stats = transport.send(self.trainer.sync_module(), version, corrupt_bucket)
         self.shared_slots = transport.shared
         return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets,
                 "sync/max_bucket_bytes": stats.max_bucket_bytes,
                 "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
+
+    @traced("sync")
+    def adapter_payload(self, checksum_name: str, every_rank: bool = False) -> dict | None:
+        """Adapter sync, sending side (a collective under ZeRO-3: every rank calls): the LoRA
+        adapter's tensors, its adapter_config.json and their checksum, on rank 0 (None on the
+        others unless `every_rank`)."""
+        from update.lora import adapter_config
+        from weight_sync.adapters import checksum
+
+        tensors = self.trainer.adapter_weights()
+        if self.rank and not every_rank:
+            return None
+        tensors = {k: v.clone() for k, v in tensors.items()}  # not views of a gather buffer
+        return {"tensors": tensors, "checksum_name": checksum_name,
+                "checksum": checksum(tensors, checksum_name),
+                "config": adapter_config(self.trainer.cfg.lora, self.trainer.model_path)}
 
     @traced("verification")
     def exact_digests(self) -> list:
@@ -106,8 +128,9 @@ class TrainerRole(Role):
         from weight_sync.resharding import TPSpec
 
         spec = TPSpec.from_hf_config(self.trainer.module.config, 1)
-        return trainer_digests(self.engine_layout[0], spec, self.trainer.module, self.rank,
-                               self.world_size)  # (TP 1: the placement skips it at TP > 1)
+        # (TP 1: the placement skips it at TP > 1)
+        return trainer_digests(self.engine_layout[0], spec, self.trainer.sync_module(),
+                               self.rank, self.world_size)
 
     @traced("checkpoint")
     def save_checkpoint(self, directory: str) -> None:

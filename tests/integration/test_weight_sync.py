@@ -23,12 +23,15 @@ def colocated(placements, tmp_path_factory, preset: str, seed: int, *overrides: 
     path = str(build_tiny_model(preset, seed=seed, out_dir=tmp_path_factory.mktemp("m") / "m"))
     import ray
 
+    from rl.run.placement import adapter_rank
+
     placement = placements.start(cfg)
     try:
         workers = placement.trainers
         ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
                  for w in workers])
-        ray.get([w.init_rollout.remote(path, cfg.rollout, 0) for w in workers])
+        ray.get([w.init_rollout.remote(path, cfg.rollout, 0, lora_rank=adapter_rank(cfg))
+                 for w in workers])
         yield workers, cfg, placement, path
     finally:
         placement.release()
