@@ -101,6 +101,10 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.recipe, args.overrides)
+        if (Path(args.model) / "adapter_config.json").exists():
+            raise ConfigError(f"model '{args.model}' is a LoRA adapter; give the merged model "
+                              f"saved beside it ({Path(args.model).name}_merged)")
+        cfg.trainer.lora = None  # a saved model is whole: the engines load no adapter
         if not (Path(args.model) / "config.json").exists():
             raise ConfigError(f"model '{args.model}' is not a Hugging Face model directory (no "
                               f"config.json); give a run's final_model or a saved checkpoint")

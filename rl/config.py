@@ -27,6 +27,22 @@ def _known_keys(node) -> str:
         return ""
 
 
+def _unset_section_keys(parent: str) -> str:
+    """The fields of an optional section that is None by default (trainer.lora), from its
+    dataclass."""
+    import typing
+
+    kind = Config
+    for part in parent.split("."):
+        hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+        if part not in hints:
+            return ""
+        kind = next((a for a in typing.get_args(hints[part]) if dataclasses.is_dataclass(a)),
+                    hints[part])
+    return ", ".join(f.name for f in dataclasses.fields(kind)) if dataclasses.is_dataclass(
+        kind) else ""
+
+
 def _explain(e, schema, path: str | None, overrides=()) -> str:
     """One line: the key, where it was set, what was wrong, and what is allowed there."""
     from omegaconf import OmegaConf
@@ -39,8 +55,9 @@ def _explain(e, schema, path: str | None, overrides=()) -> str:
     if isinstance(e, ConfigKeyError):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         section = OmegaConf.select(schema, parent) if parent else schema
+        known = _known_keys(section) if section is not None else _unset_section_keys(parent)
         return (f"config key '{key}'{where} is not known: {first}; known keys"
-                f"{' in ' + parent if parent else ''}: {_known_keys(section)}")
+                f"{' in ' + parent if parent else ''}: {known}")
     default = OmegaConf.select(schema, key, default=None)
     hint = f"; give a {type(default).__name__} like the default {default!r}" \
         if isinstance(default, (int, float, str, bool)) else ""
@@ -195,6 +212,7 @@ def validate(cfg: Config) -> None:
     check_speculation(cfg)
     check_eval(cfg)
     check_env_section(cfg)
+    check_lora(cfg)
     if cfg.warmup.answer_noise and not [o for o in cfg.warmup.noise_offsets if o]:
         raise ConfigError(f"warmup.noise_offsets={cfg.warmup.noise_offsets}: a near miss needs a "
                           f"non-zero offset, e.g. [1] or [-3, -2, -1, 1, 2, 3]")
@@ -263,6 +281,20 @@ def check_env_section(cfg: Config) -> None:
         raise ConfigError(f"env.turn_max_new_tokens={env.turn_max_new_tokens} exceeds the "
                           f"trajectory's budget rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}; lower it or raise the budget")
+
+
+SYNC_LORA = ("adapters", "merged")
+
+
+def check_lora(cfg: Config) -> None:
+    if cfg.sync.lora not in SYNC_LORA:
+        raise ConfigError(f"sync.lora={cfg.sync.lora!r} is not known; use one of: "
+                          f"{', '.join(SYNC_LORA)}")
+    if cfg.trainer.lora is not None and cfg.algorithm.critic:
+        raise ConfigError("trainer.lora with algorithm.critic=true: the critic has no adapter "
+                          "config (it would train in full beside a LoRA policy); use an "
+                          "algorithm without a critic (e.g. algorithm.name=grpo) or drop "
+                          "trainer.lora")
 
 
 def check_speculation(cfg: Config) -> None:

@@ -20,6 +20,25 @@ from rl.run.tracks import actor_tracks, dead_actor
 from rl.schema import Config
 
 
+def check_lora_targets(cfg: Config, model_path: str) -> None:
+    """trainer.lora.target_modules match modules of the model (built on the meta device)."""
+    if cfg.trainer.lora is None:
+        return
+    from transformers import AutoConfig
+
+    from update.lora import check_targets
+
+    try:
+        check_targets(AutoConfig.from_pretrained(model_path), cfg.trainer.lora)
+    except ValueError as e:
+        raise ConfigError(f"trainer.lora.{e}; fix the list") from None
+    lora = cfg.trainer.lora
+    print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; "
+          f"syncs move the {'adapter' if cfg.sync.lora == 'adapters' else 'merged model'}"
+          + ("; reference policy: the base model (the adapter switched off), no second copy "
+             "loaded" if cfg.algorithm.loss.kl_coef > 0 else ""), flush=True)
+
+
 def new_run_dir(cfg: Config) -> Path:
     """runs/<name>, or runs/<name>-2, -3 ... when that exists: never overwrite a past run."""
     base = Path(cfg.run.output_dir) / cfg.run.name
@@ -51,6 +70,7 @@ class RunLifecycle:
         model_path = (resume.state["model_path"] if resume
                       else resolve_model_path(cfg.model.path, cfg.run.seed))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_lora_targets(cfg, model_path)
         make_env = env_factory(cfg.env)  # multi-turn: prompts are what the env resets to
         if make_env is not None:
             try:  # the model's chat template must render observations after a model turn
@@ -198,6 +218,8 @@ class RunLifecycle:
         wait_with_progress([w.save_hf.remote(str(final.resolve())) for w in self.trainers],
                            "saving the final model")
         self.tokenizer.save_pretrained(final)
+        if self.cfg.trainer.lora is not None:  # final_model is the adapter; beside it, merged
+            self.tokenizer.save_pretrained(final.with_name(final.name + "_merged"))
         self.log.plot()
         return final
 

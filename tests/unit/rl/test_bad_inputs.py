@@ -87,6 +87,11 @@ CONFIG_CASES = {
     "scripted warm-up turns without an environment": (["warmup.target_turns=[x]"],
                                                       ["warmup.target_turns", "env.name"]),
     "gae without a critic": (["algorithm.advantage=gae"], ["algorithm.critic=true"]),
+    "LoRA of rank 0": (["trainer.lora.rank=0"], ["trainer.lora.rank", ">= 1"]),
+    "unknown LoRA key": (["trainer.lora.rnk=8"], ["trainer.lora.rnk", "rank, alpha"]),
+    "LoRA with a critic": (["trainer.lora.rank=8", "algorithm.critic=true"],
+                           ["trainer.lora", "algorithm.critic=true", "adapter config"]),
+    "unknown LoRA sync": (["sync.lora=full"], ["sync.lora", "adapters, merged"]),
     "missing model": (["model.path=/nonexistent/model"], ["model.path", "does not exist"]),
     "unknown built-in model": (["model.path=builtin:gpt-9"], ["model.path", "tiny-qwen2"]),
     "missing data file": (["data.train_path=/nonexistent/rows.jsonl"],
@@ -204,6 +209,13 @@ def test_every_prompt_too_long(capsys, tmp_path, tiny_model):
     refuse(capsys, [QUICK, f"model.path={tiny_model}", "rollout.max_model_len=16",
                     "warmup.sft_steps=0", f"run.output_dir={tmp_path}"],
            "every prompt", "rollout.max_model_len")
+    assert not list(tmp_path.iterdir()), "a refused run leaves no run directory"
+
+
+def test_lora_targets_that_match_no_module(capsys, tmp_path, tiny_model):
+    refuse(capsys, [QUICK, f"model.path={tiny_model}", "trainer.lora.target_modules=[qproj]",
+                    "warmup.sft_steps=0", f"run.output_dir={tmp_path}"],
+           "trainer.lora.target_modules=['qproj']", "q_proj")
     assert not list(tmp_path.iterdir()), "a refused run leaves no run directory"
 
 

@@ -28,6 +28,9 @@ def numeric_fields(cls=Config, prefix=""):
             yield from numeric_fields(kind, key + ".")
         elif typing.get_origin(kind) is list and args and dataclasses.is_dataclass(args[0]):
             yield from numeric_fields(args[0], key + "[0].")
+        elif typing.get_origin(kind) is typing.Union and args and dataclasses.is_dataclass(
+                args[0]):  # an optional section (trainer.lora)
+            yield from numeric_fields(args[0], key + ".")
         elif kind in (int, float) or (typing.get_origin(kind) is typing.Union
                                       and args and args[0] in (int, float)):
             yield key, (args[0] if args else kind), f.metadata.get("bound")

@@ -27,3 +27,15 @@ def test_a_data_set_a_reward_refuses_stops_the_start_in_one_line(tmp_path):
     assert said[0].startswith("rl-train: reward 'code_exec': row 0: tests[0] is the string "
                               "'assert f() == 1'; assert strings are not run any more")
     assert done.stdout.strip() == "[]"  # nothing heavy was imported
+
+
+def test_rl_eval_of_a_lora_adapter_names_the_merged_model(tmp_path, capsys):
+    from rl.cli import eval_main
+
+    adapter = tmp_path / "final_model"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert eval_main([str(ROOT / "recipes" / "quickstart_lora.yaml"), str(adapter)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rl-eval: model '{adapter}' is a LoRA adapter; give the merged model saved "
+                   f"beside it (final_model_merged)")
