@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/quickstart_seeds.py                    # seeds 0,1,2, fresh caches
     .venv/bin/python benchmarks/quickstart_seeds.py --runs DIR DIR DIR  # figures of finished runs
+    .venv/bin/python benchmarks/quickstart_seeds.py --recipe recipes/quickstart_lora.yaml
+        # another quickstart recipe (its picture: docs/<recipe>_seeds.png)
     .venv/bin/python benchmarks/quickstart_seeds.py --against rollout.tensor_parallel_size=2
         # each seed as shipped, then again with the overrides on the same warm-up (its cache
         # kept): both tables, and the difference of their means of steps 101-300
@@ -24,11 +26,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PICTURE = ROOT / "docs" / "quickstart_seeds.png"
+RECIPE = "recipes/quickstart.yaml"
 
 
-def run_seed(seed: int, out: Path, overrides: tuple[str, ...] = (), tag: str = ""
-             ) -> tuple[Path, float]:
+def run_seed(seed: int, out: Path, overrides: tuple[str, ...] = (), tag: str = "",
+             recipe: str = RECIPE) -> tuple[Path, float]:
     """The quickstart on `seed`; from an empty cache unless `overrides` (a second run of the
     seed, on the first one's warm-up)."""
     cache = out / f"cache_s{seed}"
@@ -36,7 +38,7 @@ def run_seed(seed: int, out: Path, overrides: tuple[str, ...] = (), tag: str = "
         subprocess.run(["rm", "-rf", str(cache)], check=True)
     exe = Path(sys.executable).with_name("rl-train")
     t0 = time.perf_counter()
-    subprocess.run([str(exe), "recipes/quickstart.yaml", f"run.seed={seed}",
+    subprocess.run([str(exe), recipe, f"run.seed={seed}",
                     f"run.output_dir={out}", f"run.name=seed{seed}{tag}", *overrides], check=True,
                    cwd=ROOT, env=dict(os.environ, RL_CACHE_DIR=str(cache)), stdout=sys.stderr)
     return out / f"seed{seed}{tag}", time.perf_counter() - t0
@@ -62,7 +64,7 @@ def _seed(run_dir: Path) -> int:
     return yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"]
 
 
-def plot(results: list[dict]) -> None:
+def plot(results: list[dict], picture: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,8 +90,8 @@ def plot(results: list[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    PICTURE.parent.mkdir(exist_ok=True)
-    fig.savefig(PICTURE, dpi=100)
+    picture.parent.mkdir(exist_ok=True)
+    fig.savefig(picture, dpi=100)
 
 
 def main() -> None:
@@ -99,18 +101,21 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "quickstart_seeds"))
     p.add_argument("--against", nargs="+", metavar="KEY=VALUE",
                    help="run each seed again with these overrides, on the same warm-up")
+    p.add_argument("--recipe", default=RECIPE, help="the quickstart recipe to run")
     args = p.parse_args()
+    picture = ROOT / "docs" / f"{Path(args.recipe).stem}_seeds.png"
     walls: dict = {}
     if args.runs:
         runs, again = [Path(r) for r in args.runs], []
     else:
         runs, again = [], []
         for seed in map(int, args.seeds.split(",")):
-            run_dir, walls[seed] = run_seed(seed, Path(args.out))
+            run_dir, walls[seed] = run_seed(seed, Path(args.out), recipe=args.recipe)
             runs.append(run_dir)
             if args.against:
                 run_dir, walls[seed, "against"] = run_seed(seed, Path(args.out),
-                                                           tuple(args.against), "-against")
+                                                           tuple(args.against), "-against",
+                                                           args.recipe)
                 again.append(run_dir)
     results = [figures(r) for r in runs]
     table(results, walls)
@@ -123,8 +128,8 @@ def main() -> None:
         print(f"\nmean of steps 101-300 over the seeds: {mean:.3f} as shipped, {other:.3f} with "
               f"{' '.join(args.against)} (difference {other - mean:+.3f})")
         return
-    plot(results)
-    print(f"\nwrote {PICTURE}")
+    plot(results, picture)
+    print(f"\nwrote {picture}")
 
 
 def table(results: list[dict], walls: dict) -> None:

@@ -23,7 +23,14 @@ check that every row runs):
             rollout.enforce_eager=true (what the compiled engine is worth); rl-train/zero3:
             rl-train with trainer.zero_stage=3 on the same placement (what sharding the
             parameters costs against the preset's stage; on the tiny preset this is the
-            quickstart's own configuration). Presets say which rows run in which dtype.
+            quickstart's own configuration); rl-train/lora, rl-train/lora-adapters: rl-train
+            training LoRA adapters (rank 8, alpha 16, every linear layer) synced merged into full
+            weights (sync.lora=merged, the default) or as the adapter (adapters); trl/lora: TRL's
+            GRPOTrainer with the same PEFT LoraConfig. Presets say which rows run in which
+            dtype.
+Besides the times, each row reports the peak resident memory of its trainer process(es) (rl-train:
+summed over the trainer ranks, which colocated hold their engines too; TRL: its one process,
+which generates too) and the bytes each sync moves (rl-train).
 Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
 by 10-25% from step to step and from minute to minute, so the rows that the ratios compare
 (rl-train, rl-train/zero3, raw) run `repeats` times, alternating (rl-train, rl-train/zero3, raw,
@@ -69,16 +76,21 @@ PRESETS = {
                     repeats=2, draft_layers=4,
                     rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw", "rl-train/eager",
                                       "rl-train+ngram", "rl-train+draft",
-                                      "rl-train/system-malloc"],
+                                      "rl-train/system-malloc", "rl-train/lora",
+                                      "rl-train/lora-adapters", "trl/lora"],
                           "bfloat16": ["rl-train", "trl", "raw", "rl-train/eager"]}),
     # CI: the smollm2 preset's placement on the tiny model, speculation included
     "smoke": dict(model="builtin:tiny-qwen2", warmup_steps=0, answer_noise=0.0, max_operand=15,
                   prompts=8, n=4, max_new_tokens=8, lr=1e-3, kl=0.001, micro_batch=32,
                   zero_stage=0, workers=1, skip=0, steps=2, repeats=1, draft_layers=1,
-                  rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram"]}),
+                  rows={"float32": ["rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram",
+                                    "rl-train/lora", "rl-train/lora-adapters", "trl/lora"]}),
 }
 ROWS = ("rl-train", "rl-train/zero3", "trl", "raw", "rl-train/eager", "rl-train+ngram",
-        "rl-train+draft", "rl-train/system-malloc")
+        "rl-train+draft", "rl-train/system-malloc", "rl-train/lora",
+        "rl-train/lora-adapters", "trl/lora")
+# the LoRA rows' adapters: rank 8, alpha 16, on every linear layer but the head
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["all-linear"]}
 # the rows the acceptance ratios compare: run `repeats` times, alternating
 REPEATED = ("rl-train", "rl-train/zero3", "raw")
 
@@ -165,6 +177,9 @@ def row_overrides(row: str, preset: dict) -> dict:
         return {"rollout": {"enforce_eager": True}}
     if row == "rl-train/zero3":
         return {"trainer": {"zero_stage": 3}}
+    if row in ("rl-train/lora", "rl-train/lora-adapters"):
+        return {"trainer": {"lora": LORA},
+                "sync": {"lora": "adapters" if row.endswith("adapters") else "merged"}}
     return {}
 
 
@@ -186,6 +201,7 @@ def run_rl_train(preset: dict, dtype: str, out: dict, row: str = "rl-train") -> 
     out["steps"] = [{"step": m["time/step"], "generate": m["time/rollout"],
                      "reward": m["time/reward"], "train": m["time/update"], "sync": m["time/sync"],
                      "gen_tokens_per_s": m["rollout/tokens_per_s"],
+                     "rss_mib": m["memory/trainer_peak_rss_mib"], "sync_bytes": m["sync/bytes"],
                      **({"accept": m["rollout/spec_accept_rate"]}
                         if "rollout/spec_accept_rate" in m else {})} for m in timed]
 
@@ -198,7 +214,9 @@ def trl_exact_answer(completions, answer, **_) -> list[float]:
     return [exact_answer("", t, a) for t, a in zip(texts, answer)]
 
 
-def run_trl(preset: dict, dtype: str, out: dict) -> None:
+def run_trl(preset: dict, dtype: str, out: dict, lora: bool = False) -> None:
+    import resource
+
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -226,7 +244,8 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
 
         def on_step_end(self, args, state, control, **kw):
             seconds = time.perf_counter() - self.t0
-            phases[-1].update(step=seconds, train=seconds - phases[-1]["generate"])
+            phases[-1].update(step=seconds, train=seconds - phases[-1]["generate"],
+                              rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     batch = preset["prompts"] * preset["n"]
     args = GRPOConfig(
@@ -239,8 +258,14 @@ def run_trl(preset: dict, dtype: str, out: dict) -> None:
         generation_kwargs={"min_new_tokens": preset.get("min_new_tokens", 0)},
         use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,
         dataloader_num_workers=0)
+    peft_config = None
+    if lora:  # the reference: the same model with the adapter off, as rl-train's
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = Timed(model=path, reward_funcs=trl_exact_answer, args=args, train_dataset=data,
-                    processing_class=tok, callbacks=[StepTimes()])
+                    processing_class=tok, callbacks=[StepTimes()], peft_config=peft_config)
     trainer.train()
     out["steps"] = phases[preset["skip"]:]
 
@@ -352,26 +377,31 @@ RUNNERS = {"rl-train": run_rl_train, "trl": run_trl, "raw": run_raw}
 def run_row(row: str, preset: dict, dtype: str, out: dict) -> None:
     if row.startswith("rl-train"):
         run_rl_train(preset, dtype, out, row)
+    elif row == "trl/lora":
+        run_trl(preset, dtype, out, lora=True)
     else:
         RUNNERS[row](preset, dtype, out)
 
 
 def summarize(steps: list[dict], samples_per_step: int) -> dict:
     """Medians over the timed steps (per phase: each phase's own median)."""
-    mid = {k: statistics.median(s[k] for s in steps if k in s) for k in steps[0]}
+    mid = {k: (max if k == "rss_mib" else statistics.median)(s[k] for s in steps if k in s)
+           for k in steps[0]}
     mid["samples_per_s"] = samples_per_step / mid["step"]
     return mid
 
 
 def print_table(results: dict) -> None:
-    print("\n| row | dtype | s/step | samples/s | generate | reward | train | sync | gen tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| row | dtype | s/step | samples/s | generate | reward | train | sync | gen tok/s "
+          "| trainer peak RSS MiB | bytes synced/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (row, dtype), m in results.items():
         cells = [f"{m.get(k, float('nan')):.3f}" for k in ("step", "samples_per_s", "generate",
                                                            "reward", "train", "sync")]
-        tok_s = m.get("gen_tokens_per_s")
-        print(f"| {row} | {dtype} | " + " | ".join(cells) + (f" | {tok_s:.0f} |" if tok_s
-                                                              else " | - |"))
+        cells += [f"{m['gen_tokens_per_s']:.0f}" if m.get("gen_tokens_per_s") else "-",
+                  f"{m['rss_mib']:.0f}" if m.get("rss_mib") else "-",
+                  f"{m['sync_bytes']:.0f}" if m.get("sync_bytes") else "-"]
+        print(f"| {row} | {dtype} | " + " | ".join(cells) + " |")
     print()
 
 
@@ -420,6 +450,20 @@ def print_ratios(results: dict, dtypes: list[str], runs: dict | None = None,
                 print(f"{dtype}: {spec} speculation: rollout tok/s {speed:.2f}x of rl-train's, "
                       f"step {row['step'] / ours['step']:.2f}x (acceptance "
                       f"{row.get('accept', float('nan')):.2f})")
+        lora, trl_lora = results.get(("rl-train/lora", dtype)), results.get(("trl/lora", dtype))
+        adapters = results.get(("rl-train/lora-adapters", dtype))
+        for name, row in (("rl-train/lora", lora), ("rl-train/lora-adapters", adapters)):
+            if row and trl_lora:
+                print(f"{dtype}: {name} / trl/lora samples/s = "
+                      f"{row['samples_per_s'] / trl_lora['samples_per_s']:.2f}x (target >= 1.5)")
+        for name in ("rl-train/lora", "rl-train/lora-adapters"):
+            row = results.get((name, dtype))
+            if row and ours:
+                print(f"{dtype}: {name} / rl-train (full fine-tuning): trainer peak RSS "
+                      f"{row['rss_mib'] / ours['rss_mib']:.2f}x (target <= 0.6), bytes synced "
+                      f"{row['sync_bytes'] / ours['sync_bytes']:.4f}x"
+                      + (" (target <= 0.05)" if name.endswith("adapters") else "")
+                      + f", step {row['step'] / ours['step']:.2f}x")
         for row, what in (("rl-train/system-malloc", "with tcmalloc / with glibc malloc"),
                           ("rl-train/eager", "with its default engine / with an eager engine")):
             other = results.get((row, dtype))

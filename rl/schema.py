@@ -179,10 +179,13 @@ class SyncConfig:
     "Disaggregated: per-bucket checksum verified on arrival (sum64: fast, on device; crc32)."
     timeout_s: float = field(default=600.0, metadata={"bound": "> 0"})
     "Disaggregated: seconds a sync-group operation may wait for a peer before it fails."
-    lora: str = "adapters"
-    ("With trainer.lora, what each sync moves: adapters (the adapter alone, loaded into the "
-     "engines' LoRA support as a new adapter per policy version, the old one removed) or "
-     "merged (base + adapter merged on the trainer side, synced as full weights).")
+    lora: str = "merged"
+    ("With trainer.lora, what each sync moves: merged (base + adapter merged on the trainer "
+     "side, synced as full weights: the engines run the model as without LoRA) or adapters (the "
+     "adapter alone, loaded into the engines' vLLM LoRA as a new adapter per policy version, "
+     "the old one removed: megabytes instead of the model, but on CPU vLLM runs LoRA models "
+     "eagerly and through its LoRA kernels: SmolLM2-135M generated 2.4x slower; "
+     "docs/lora.md).")
 
 
 @dataclass

@@ -20,7 +20,10 @@ SMALL = ["trainer.total_steps=2", "rollout.prompts_per_step=8", "rollout.n=4",
 # Recipes on a real pretrained model take minutes even for 2 steps (6.4 min for SmolLM2-135M on
 # 2 cores): benchmarks/smollm2_before_after.py runs them; tests/unit/rewards checks their data.
 REAL_MODEL = {"smollm2_chain_sum.yaml", "smollm2_tools.yaml"}
-RECIPES = [r for r in RECIPES if r not in REAL_MODEL]
+# Recipes another integration test runs end to end already: quickstart_lora's 4-step runs and
+# resume (test_resume.py, test_lora_run_killed_and_resumed_is_bit_exact).
+RUN_ELSEWHERE = {"quickstart_lora.yaml"}
+RECIPES = [r for r in RECIPES if r not in REAL_MODEL | RUN_ELSEWHERE]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -1,7 +1,8 @@
 """`benchmarks/vs_trl.py --preset smoke`: rl-train (one worker, ZeRO stage 0, as the smollm2
-preset), rl-train on ZeRO-3, TRL's GRPOTrainer, the plain loop and rl-train with ngram
-speculation each run 2 steps of the same work on the tiny model, and the comparison table and
-ratios come out."""
+preset), rl-train on ZeRO-3, TRL's GRPOTrainer, the plain loop, rl-train with ngram
+speculation, rl-train training LoRA adapters (synced merged, and as adapters) and TRL training
+them each run 2 steps of the same work on the tiny model, and the comparison table (with memory
+and bytes synced) and ratios come out."""
 import os
 import re
 import sys
@@ -17,9 +18,9 @@ ROOT = Path(__file__).parents[2]
 
 
 def smoke_command(tmp: Path) -> list[str]:
-    # the five rows at once: their start-ups leave cores idle (four rows: 39 -> 35 s against
+    # the eight rows at once: their start-ups leave cores idle (four rows: 39 -> 35 s against
     # two at a time), and the smoke times nothing
-    return [sys.executable, "benchmarks/vs_trl.py", "--preset", "smoke", "--jobs", "5", "--out",
+    return [sys.executable, "benchmarks/vs_trl.py", "--preset", "smoke", "--jobs", "8", "--out",
             str(tmp / "out")]
 
 
@@ -32,16 +33,29 @@ SMOKE = early("vs_trl_smoke", __file__, smoke_command,
 def test_smoke_preset_runs_every_row():
     out = SMOKE.passed(timeout=600)
     stdout = out.stdout
-    rows = {m.group(1): [float(x) for x in m.group(2).split(" | ")[:6]]
-            for m in re.finditer(r"^\| (rl-train|rl-train/zero3|trl|raw|rl-train\+ngram) \| "
-                                 r"float32 \| (.*) \|$", stdout, re.MULTILINE)}
-    assert set(rows) == {"rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram"}, stdout
-    for name, (step, samples_per_s, *_rest) in rows.items():
-        assert step > 0 and samples_per_s > 0, (name, rows[name])
+    names = {"rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram", "rl-train/lora",
+             "rl-train/lora-adapters", "trl/lora"}
+    rows = {m.group(1): m.group(2).split(" | ")
+            for m in re.finditer(r"^\| (\S+) \| float32 \| (.*) \|$", stdout, re.MULTILINE)}
+    assert set(rows) == names, stdout
+    for name, cells in rows.items():
+        step, samples_per_s = float(cells[0]), float(cells[1])
+        assert step > 0 and samples_per_s > 0, (name, cells)
+        if name != "raw":  # every trainer's peak memory; rl-train's bytes per sync
+            assert float(cells[7]) > 0, (name, cells)
+        if name.startswith("rl-train"):
+            assert float(cells[8]) > 0, (name, cells)
+    assert float(rows["rl-train/lora-adapters"][8]) < 0.1 * float(rows["rl-train"][8])
+    assert float(rows["rl-train/lora"][8]) == float(rows["rl-train"][8])  # merged: full weights
     for ratio in ("rl-train / TRL samples/s", "rl-train step / raw step",
                   "rl-train update / raw train", "rl-train rollout tok/s / raw",
                   "rl-train/zero3 / TRL samples/s", "ZeRO-3 / ZeRO-0 step",
-                  "ZeRO-3 / ZeRO-0 update", "ZeRO-3 / ZeRO-0 sync"):
+                  "ZeRO-3 / ZeRO-0 update", "ZeRO-3 / ZeRO-0 sync",
+                  "rl-train/lora / trl/lora samples/s",
+                  "rl-train/lora-adapters / trl/lora samples/s"):
         assert re.search(rf"float32: {re.escape(ratio)} = \d+\.\d+x", stdout), ratio
+    assert re.search(r"float32: rl-train/lora-adapters / rl-train \(full fine-tuning\): trainer "
+                     r"peak RSS \d+\.\d+x \(target <= 0\.6\), bytes synced \d+\.\d+x "
+                     r"\(target <= 0\.05\)", stdout), stdout
     assert re.search(r"float32: ngram speculation: rollout tok/s \d+\.\d+x of rl-train's, step "
                      r"\d+\.\d+x \(acceptance \d+\.\d+\)", stdout), stdout
