@@ -45,9 +45,9 @@ LORA_ARGS = ["recipes/quickstart_lora.yaml", "trainer.total_steps=4", "trainer.c
 
 
 def timing(key: str) -> bool:
-    """Keys a rerun may change: times, and checkpoint sizes (the saved config and state name
-    the run, and the two runs here have different names)."""
-    return (key.startswith(("time/", "throughput/", "checkpoint/"))
+    """Keys a rerun may change: times, memory, and checkpoint sizes (the saved config and
+    state name the run, and the two runs here have different names)."""
+    return (key.startswith(("time/", "throughput/", "checkpoint/", "memory/"))
             or key.endswith(("seconds", "tokens_per_s")))
 
 
