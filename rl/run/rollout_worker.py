@@ -314,7 +314,7 @@ class RolloutRole(Role):
         path = adapter_dir(version)
         nbytes = write_adapter(path, adapter["tensors"], adapter["config"])
         self.engine.load_adapter(version, str(path))
-        if old is not None:
+        if old is not None and old.lora_path != str(path):  # (a retried sync: the same path)
             shutil.rmtree(old.lora_path, ignore_errors=True)
         return nbytes
 
