@@ -10,7 +10,7 @@ import os
 import re
 
 from rl.schema import PIPELINE_MODES, PLACEMENTS, Config, RunConfig
-from rollout.config import CPU_LINEAR
+from rollout.config import CPU_LINEAR, LORA_RANKS
 from weight_sync.checksums import CHECKSUMS
 
 
@@ -290,6 +290,11 @@ def check_lora(cfg: Config) -> None:
     if cfg.sync.lora not in SYNC_LORA:
         raise ConfigError(f"sync.lora={cfg.sync.lora!r} is not known; use one of: "
                           f"{', '.join(SYNC_LORA)}")
+    lora = cfg.trainer.lora
+    if lora is not None and cfg.sync.lora == "adapters" and lora.rank > max(LORA_RANKS):
+        raise ConfigError(f"trainer.lora.rank={lora.rank} with sync.lora=adapters: vLLM's LoRA "
+                          f"takes ranks up to {max(LORA_RANKS)}; lower the rank or use "
+                          f"sync.lora=merged")
     if cfg.trainer.lora is not None and cfg.algorithm.critic:
         raise ConfigError("trainer.lora with algorithm.critic=true: the critic has no adapter "
                           "config (it would train in full beside a LoRA policy); use an "

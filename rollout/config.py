@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 CPU_LINEAR = ("auto", "plain", "repack", "packed")
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks): an engine with LoRA
+# reserves the smallest one at least the adapter's rank
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from rollout.config import RolloutConfig
+from rollout.config import LORA_RANKS, RolloutConfig
 
 
 @dataclass
@@ -522,10 +522,12 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         if self.lora is not None:
             engine.remove_lora(self.lora.lora_int_id)
-        self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
-        if not engine.add_lora(self.lora):
+            self.lora = None  # until the new one is in: no request runs a removed adapter
+        lora = LoRARequest(f"policy-v{version}", version + 1, path)
+        if not engine.add_lora(lora):
             raise RuntimeError(f"vLLM did not load the adapter of policy version {version} "
-                               f"({path})")
+                               f"({path}); the engine runs no adapter until a sync loads one")
+        self.lora = lora
         self.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -541,10 +543,6 @@ class VLLMEngine:
                                  use_tqdm=False, lora_request=self.lora)
         return [[lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], seq[1:])]
                 for out, seq in zip(outs, sequences)]
-
-
-# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _completion(c) -> Completion:

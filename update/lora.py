@@ -43,20 +43,38 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0):
             torch.manual_seed(seed)
             return get_peft_model(model, peft_config(cfg))
     except ValueError as e:
+        first = str(e).splitlines()[0]
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"target_modules={cfg.target_modules} match no module of "
-                         f"{type(model).__name__} ({str(e).splitlines()[0]}); its linear "
-                         f"layers: {', '.join(names)} (or all-linear)") from None
+        what = ("match no module of" if "not found" in first
+                else "are refused by PEFT for")
+        raise ValueError(f"target_modules={cfg.target_modules} {what} {type(model).__name__} "
+                         f"({first}); its linear layers: {', '.join(names)} (or all-linear)"
+                         ) from None
 
 
 def check_targets(config, cfg: LoraConfig) -> None:
-    """`cfg` fits a model of HF config `config` (built on the meta device: no weights)."""
+    """`cfg` fits a model of HF config `config` (built on the meta device: no weights): its
+    targets match modules, and every one is a linear layer inside the model whose weight is its
+    own. ValueError naming the offending modules otherwise. The merge (W + scale B A under W's
+    name) and vLLM's LoRA both assume a linear layer; an embedding would get other adapter
+    tensors (lora_embedding_A/B), and the output head's weight may be the input embeddings'
+    (tied): merged into it, the adapter would be lost when the model ties them again."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
     add_adapters(model, cfg)
+    bad = sorted(name for name, m in model.named_modules()
+                 if isinstance(getattr(m, "base_layer", None), torch.nn.Module)
+                 and hasattr(m, "lora_A")
+                 and (type(m.base_layer) is not torch.nn.Linear or m.base_layer is head))
+    if bad:
+        raise ValueError(f"target_modules={cfg.target_modules} match {', '.join(bad[:4])}"
+                         f"{' ...' if len(bad) > 4 else ''}, which take no adapter here: "
+                         f"only the linear layers inside the model do (not embeddings nor "
+                         f"the output head; all-linear picks exactly those)")
 
 
 def is_adapter(name: str) -> bool:

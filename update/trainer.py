@@ -334,7 +334,9 @@ class PolicyTrainer:
     _merged = None  # with LoRA: the merged model of the current weights, once a sync built it
 
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
-                 grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0):
+                 grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
+                 seed: int = 0):
+        """`seed`: the run's, which draws the LoRA adapters' A (the same on every rank)."""
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
@@ -348,7 +350,7 @@ class PolicyTrainer:
         if cfg.lora is not None:
             from update.lora import add_adapters
 
-            self.peft = add_adapters(model, cfg.lora)  # in place: `model` holds the adapters
+            self.peft = add_adapters(model, cfg.lora, seed)  # in place: `model` holds the adapters
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if self.peft is not None:  # a frozen embedding: checkpointed layers need a grad
@@ -445,6 +447,9 @@ class PolicyTrainer:
             if policy is None:
                 policy = stack.enter_context(scoring(self.engine))
             stack.enter_context(self.peft.disable_adapter())
+            module = self.engine.module  # the reference runs as the reference engine does:
+            stack.callback(module.train, module.training)  # without dropout
+            module.eval()
             return self._forward(policy, mb)[0]
 
     def train_step(self, micro_batches: list[dict], counts: BatchCounts) -> dict:

@@ -337,10 +337,11 @@ class Disaggregated(Placement):
         t0 = time.perf_counter()
         sync = self.cfg.sync
         if adapter_rank(self.cfg):  # LoRA adapters: one small object, through Ray
-            adapter = get_all([t.adapter_payload.remote(sync.checksum)
-                               for t in self.trainers])[0]
-            ref = ray.put(adapter)
-            received = get_all([e.load_adapter.remote(version, ref) for e in self.engines])
+            # rank 0's payload goes from its object store to the engines', not via the driver
+            payloads = [t.adapter_payload.remote(sync.checksum) for t in self.trainers]
+            received = get_all([e.load_adapter.remote(version, payloads[0])
+                                for e in self.engines], peers=payloads)
+            get_all(payloads[1:])  # the other ranks' part of the gather (None each)
             size = received[0]["sync/bytes"]
             sent = {"sync/bytes": size, "sync/num_buckets": 1, "sync/max_bucket_bytes": size,
                     "sync/in_place": 0.0}

@@ -31,13 +31,14 @@ class TrainerRole(Role):
     @traced("init trainer")
     def init_trainer(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
                      grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
-                     critic: bool = False) -> None:
-        """The policy trainer (and the critic's, for PPO); replaces any earlier ones."""
+                     critic: bool = False, seed: int = 0) -> None:
+        """The policy trainer (and the critic's, for PPO); replaces any earlier ones. `seed`:
+        the run's (LoRA adapters are drawn from it)."""
         from update.trainer import PolicyTrainer
 
         self.trainer = self.critic = None  # release the previous engines first (warm-up -> RL)
         self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature,
-                                     norm_length)
+                                     norm_length, seed)
         if critic:
             from update.critic import ValueTrainer
 

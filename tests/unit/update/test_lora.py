@@ -73,6 +73,11 @@ def test_targets_are_checked_on_the_meta_device(model):
     check_targets(model.config, LoraConfig(target_modules=["q_proj", "down_proj"]))
     with pytest.raises(ValueError, match="q_proj"):  # the error lists the model's linears
         check_targets(model.config, LoraConfig(target_modules=["query"]))
+    # no linear layer inside the model: the merge and vLLM take those only, and a head tied to
+    # the embeddings would drop its adapter when the merged model ties them again
+    for outside in ("embed_tokens", "lm_head"):
+        with pytest.raises(ValueError, match=f"{outside}, which take no adapter"):
+            check_targets(model.config, LoraConfig(target_modules=[outside, "q_proj"]))
 
 
 def test_names():
