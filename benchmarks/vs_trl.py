@@ -30,7 +30,12 @@ check that every row runs):
             dtype.
 Besides the times, each row reports the peak resident memory of its trainer process(es) (rl-train:
 summed over the trainer ranks, which colocated hold their engines too; TRL: its one process,
-which generates too) and the bytes each sync moves (rl-train).
+which generates too) and the bytes each sync moves (rl-train). Colocated, an rl-train trainer
+process holds its engine; `--placement disaggregated` runs the rl-train rows with one rollout
+worker of their own, so that the trainer's memory stands alone, and `--checkpointing` has every
+row recompute activations in the backward, so that what stays is the parameters' part (the
+LoRA memory target: `--preset smollm2 --placement disaggregated --checkpointing --rows
+rl-train,rl-train/lora,rl-train/lora-adapters`).
 Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
 by 10-25% from step to step and from minute to minute, so the rows that the ratios compare
 (rl-train, rl-train/zero3, raw) run `repeats` times, alternating (rl-train, rl-train/zero3, raw,
@@ -110,8 +115,11 @@ def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
                     "min_new_tokens": preset.get("min_new_tokens", 0), "dtype": dtype},
         "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
                     "bf16_mode": "autocast",
-                    "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"]},
-        "ray": {"num_workers": preset["workers"]},
+                    "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"],
+                    "gradient_checkpointing": preset.get("checkpointing", False)},
+        "ray": {"num_workers": preset["workers"],
+                **({"num_rollout_workers": 1} if preset.get("placement") else {})},
+        **({"placement": preset["placement"]} if preset.get("placement") else {}),
         "algorithm": {"name": "grpo", "advantage": "grpo",
                       "loss": {"kl_coef": preset["kl"], "kl_estimator": "k3"}},
         "reward": {"functions": [{"name": "exact_answer"}]},
@@ -254,7 +262,8 @@ def run_trl(preset: dict, dtype: str, out: dict, lora: bool = False) -> None:
         learning_rate=preset["lr"], beta=preset["kl"], epsilon=0.2, loss_type="dapo",
         scale_rewards="group", lr_scheduler_type="constant", warmup_steps=0,
         max_steps=preset["skip"] + preset["steps"], logging_steps=1, report_to="none",
-        save_strategy="no", gradient_checkpointing=False, bf16=dtype == "bfloat16",
+        save_strategy="no", gradient_checkpointing=preset.get("checkpointing", False),
+        bf16=dtype == "bfloat16",
         generation_kwargs={"min_new_tokens": preset.get("min_new_tokens", 0)},
         use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,
         dataloader_num_workers=0)
@@ -496,6 +505,14 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="rows run at once (default 1; more only to check that every row runs: "
                         "rows running side by side time each other's contention)")
+    p.add_argument("--placement", choices=["disaggregated"],
+                   help="rl-train rows on the preset's trainer workers beside one rollout "
+                        "worker of their own (a core each): the trainer processes' memory "
+                        "apart from the engine's (what LoRA saves); times are not the preset's")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="every row recomputes activations in the backward (rl-train's "
+                        "trainer.gradient_checkpointing, TRL's gradient_checkpointing): the "
+                        "memory that is not the activations")
     p.add_argument("--one", nargs=3, metavar=("ROW", "DTYPE", "REPEAT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     OUT = Path(args.out)
@@ -505,6 +522,10 @@ def main() -> None:
         preset["steps"] = args.steps
     if args.repeats:
         preset["repeats"] = args.repeats
+    if args.placement:
+        preset["placement"] = args.placement
+    if args.checkpointing:
+        preset["checkpointing"] = True
 
     def result_file(row: str, dtype: str, k) -> Path:
         return OUT / f"{args.preset}-{row.replace('/', '_')}-{dtype}-{k}.json"
@@ -532,7 +553,10 @@ def main() -> None:
           + (f" (all {preset['min_new_tokens']})" if preset.get("min_new_tokens") else "")
           + f", {preset['steps']} timed steps after {preset['skip']}, rl-train and raw "
           f"{preset['repeats']} times each, {os.cpu_count()} cores; rl-train: "
-          f"{preset['workers']} colocated worker(s), ZeRO stage {preset['zero_stage']}",
+          + (f"{preset['workers']} trainer worker(s) and 1 rollout worker, disaggregated"
+             if args.placement else f"{preset['workers']} colocated worker(s)")
+          + f", ZeRO stage {preset['zero_stage']}"
+          + (", gradient checkpointing" if args.checkpointing else ""),
           flush=True)
     runs: dict = {}  # (row, dtype) -> [each run's timed steps]
     todo = [(row, dtype, k) for dtype in dtypes
@@ -544,6 +568,8 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, __file__, "--preset", args.preset, "--out", str(OUT),
                         *(["--steps", str(args.steps)] if args.steps else []),
+                        *(["--placement", args.placement] if args.placement else []),
+                        *(["--checkpointing"] if args.checkpointing else []),
                         "--one", row, dtype, str(k)], check=True, cwd=ROOT, stdout=sys.stderr)
         print(f"  {row} {dtype}" + (f" (run {k + 1})" if row in REPEATED else "")
               + f": done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -84,3 +84,15 @@ def test_names():
     assert base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
     assert base_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_adapters_are_drawn_from_the_seed_alone(model):
+    def a_weights(seed, process_seed):
+        m = copy.deepcopy(model)
+        torch.manual_seed(process_seed)  # the process's own random state plays no part
+        add_adapters(m, LoraConfig(rank=4), seed)
+        return {n: p.clone() for n, p in m.named_parameters() if ".lora_A." in n}
+
+    first, again, other = a_weights(0, 5), a_weights(0, 6), a_weights(1, 5)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all(not torch.equal(first[n], other[n]) for n in first)
