@@ -295,7 +295,7 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(f"trainer.lora.rank={lora.rank} with sync.lora=adapters: vLLM's LoRA "
                           f"takes ranks up to {max(LORA_RANKS)}; lower the rank or use "
                           f"sync.lora=merged")
-    if cfg.trainer.lora is not None and cfg.algorithm.critic:
+    if lora is not None and cfg.algorithm.critic:
         raise ConfigError("trainer.lora with algorithm.critic=true: the critic has no adapter "
                           "config (it would train in full beside a LoRA policy); use an "
                           "algorithm without a critic (e.g. algorithm.name=grpo) or drop "

@@ -60,6 +60,7 @@ def check_targets(config, cfg: LoraConfig) -> None:
     name) and vLLM's LoRA both assume a linear layer; an embedding would get other adapter
     tensors (lora_embedding_A/B), and the output head's weight may be the input embeddings'
     (tied): merged into it, the adapter would be lost when the model ties them again."""
+    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -67,8 +68,7 @@ def check_targets(config, cfg: LoraConfig) -> None:
     head = model.get_output_embeddings()
     add_adapters(model, cfg)
     bad = sorted(name for name, m in model.named_modules()
-                 if isinstance(getattr(m, "base_layer", None), torch.nn.Module)
-                 and hasattr(m, "lora_A")
+                 if isinstance(m, LoraLayer)
                  and (type(m.base_layer) is not torch.nn.Linear or m.base_layer is head))
     if bad:
         raise ValueError(f"target_modules={cfg.target_modules} match {', '.join(bad[:4])}"

@@ -33,7 +33,7 @@ class TrainerRole(Role):
                      grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
                      critic: bool = False, seed: int = 0) -> None:
         """The policy trainer (and the critic's, for PPO); replaces any earlier ones. `seed`:
-        the run's (LoRA adapters are drawn from it)."""
+        what the LoRA adapters are drawn from (PolicyTrainer)."""
         from update.trainer import PolicyTrainer
 
         self.trainer = self.critic = None  # release the previous engines first (warm-up -> RL)
