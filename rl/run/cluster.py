@@ -50,5 +50,39 @@ def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
         need = cfg.ray.num_workers * cfg.ray.num_cpus_per_worker
         if cfg.placement == "disaggregated":
             need += cfg.ray.num_rollout_workers * cfg.ray.num_cpus_per_rollout_worker
-        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(need)),
-                 include_dashboard=False, runtime_env={"env_vars": env})
+        init_local(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(need)),
+                   include_dashboard=False, runtime_env={"env_vars": env})
+
+
+STARTUP_TRIES = 3
+
+
+def init_local(**kwargs) -> None:
+    """ray.init of a local instance, tried again when its raylet did not register in the 30 s
+    Ray waits (a fixed wait: on a loaded 2-core machine, beside other runs' start-ups, it ran
+    out). The half-started instance's processes are killed first."""
+    import ray
+
+    for attempt in range(1, STARTUP_TRIES + 1):
+        try:
+            return ray.init(**kwargs)
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == STARTUP_TRIES:
+                raise
+            kill_half_started(e)
+            print(f"ray: the local instance did not start ({e}); try {attempt + 1} of "
+                  f"{STARTUP_TRIES}", flush=True)
+
+
+def kill_half_started(error: BaseException) -> None:
+    """Kill the processes of the ray Node whose start-up raised `error` (the Node is the `self`
+    of a frame in its traceback; ray.init had not kept it, so ray.shutdown would not)."""
+    from ray._private.node import Node
+
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+            return
+        tb = tb.tb_next

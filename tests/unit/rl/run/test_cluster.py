@@ -1,9 +1,11 @@
-"""Where the workers' allocator comes from (ray.cpu_malloc)."""
+"""Where the workers' allocator comes from (ray.cpu_malloc); a local Ray whose start-up timed
+out is killed and started again."""
 import ctypes.util
 
 import pytest
 
 from rl.config import ConfigError, load_config
+from rl.run import cluster
 from rl.run.cluster import cpu_malloc
 
 
@@ -25,3 +27,41 @@ def test_a_given_library_is_used_and_a_missing_one_refused(tmp_path):
     assert cpu_malloc(load_config(None, [f"ray.cpu_malloc={lib}"])) == str(lib)
     with pytest.raises(ConfigError, match="ray.cpu_malloc='/nope.so' is no file"):
         load_config(None, ["ray.cpu_malloc=/nope.so"])
+
+
+def test_a_local_start_that_timed_out_is_killed_and_tried_again(monkeypatch):
+    import ray
+    from ray._private.node import Node
+
+    killed, calls = [], []
+
+    class HalfStarted(Node):  # what ray.init's Node does when its raylet never registers
+        def __init__(self):
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+        def kill_all_processes(self, **kwargs):
+            killed.append(self)
+
+    def init(fails: int, error=HalfStarted):
+        def fake(**kwargs):
+            calls.append(kwargs)
+            if len(calls) <= fails:
+                error()
+        return fake
+
+    monkeypatch.setattr(ray, "init", init(fails=2))
+    cluster.init_local(num_cpus=2)
+    assert len(calls) == 3 and len(killed) == 2 and calls[-1] == {"num_cpus": 2}
+    killed.clear(), calls.clear()
+    monkeypatch.setattr(ray, "init", init(fails=3))
+    with pytest.raises(Exception, match="timed out during startup"):
+        cluster.init_local()
+    assert len(calls) == cluster.STARTUP_TRIES
+    calls.clear()
+
+    def other():
+        raise RuntimeError("bad runtime_env")
+    monkeypatch.setattr(ray, "init", init(fails=1, error=other))  # any other error: no retry
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        cluster.init_local()
+    assert len(calls) == 1
