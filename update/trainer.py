@@ -336,8 +336,7 @@ class PolicyTrainer:
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig,
                  grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
                  seed: int = 0):
-        """`seed` draws the LoRA adapters' A (the same on every rank; rl-train passes none yet,
-        so every run draws from 0)."""
+        """`seed` draws the LoRA adapters' A, the same on every rank (rl-train: run.seed)."""
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM

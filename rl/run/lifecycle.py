@@ -140,7 +140,8 @@ class RunLifecycle:
         with span("init trainer"):
             inits = [w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,
-                                           float(cfg.rollout.max_new_tokens), cfg.algorithm.critic)
+                                           float(cfg.rollout.max_new_tokens), cfg.algorithm.critic,
+                                           cfg.run.seed)
                      for w in self.trainers]
             # engines apart from the trainers build meanwhile (colocated: after, same actors)
             engines = self.placement.start_rollout(model_path, int(version))
