@@ -27,13 +27,14 @@ class TrainerConfig:
      "made the optimizer step of SmolLM2-135M 1.4-2.3 s instead of 0.4 s on CPU).")
     zero3_persistence_threshold: int = field(default=0, metadata={"bound": ">= 0"})
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
-    zero3_whole_model_max: int = field(default=0, metadata={"bound": ">= 0"})
+    zero3_whole_model_max: int = field(default=10**9, metadata={"bound": ">= 0"})
     ("ZeRO-3 gathers a trained model (policy, critic) of at most this many parameters whole "
      "for each forward and backward: one collective, no per-module hooks (the quickstart's step "
-     "1.11x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's bit for bit, not those "
-     "of ZeRO-3 module by module, so seeded curves move); 0 gathers module by module. 1e9 "
-     "(DeepSpeed's bound on live parameters) for speed. The frozen reference is gathered whole "
-     "up to 1e9 anyway (no number changes).")
+     "1.11x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's bit for bit, ~1e-7 a "
+     "step from those of ZeRO-3 module by module). The default is DeepSpeed's bound on live "
+     "parameters; 0 gathers module by module. The warm-up always gathers module by module (the "
+     "base models the published seeds start from). The frozen reference is gathered whole up "
+     "to 1e9 anyway (no number changes).")
     lora: Optional[LoraConfig] = None
     ("Train LoRA adapters (PEFT) instead of the whole model: only they enter the optimizer and "
      "the checkpoints, the base stays frozen and is the reference policy (the adapter switched "
