@@ -33,15 +33,18 @@ def run_seed(seed: int, out: Path, overrides: tuple[str, ...] = (), tag: str = "
              recipe: str = RECIPE) -> tuple[Path, float]:
     """The quickstart on `seed`; from an empty cache unless `overrides` (a second run of the
     seed, on the first one's warm-up)."""
-    cache = out / f"cache_s{seed}"
+    cache, run_dir = out / f"cache_s{seed}", out / f"seed{seed}{tag}"
     if not overrides:
         subprocess.run(["rm", "-rf", str(cache)], check=True)
+    # an earlier run's directory of that name would make rl-train write to seed0-2 and the
+    # figures come from the old run (another recipe's, say)
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     exe = Path(sys.executable).with_name("rl-train")
     t0 = time.perf_counter()
     subprocess.run([str(exe), recipe, f"run.seed={seed}",
                     f"run.output_dir={out}", f"run.name=seed{seed}{tag}", *overrides], check=True,
                    cwd=ROOT, env=dict(os.environ, RL_CACHE_DIR=str(cache)), stdout=sys.stderr)
-    return out / f"seed{seed}{tag}", time.perf_counter() - t0
+    return run_dir, time.perf_counter() - t0
 
 
 def figures(run_dir: Path) -> dict:
