@@ -439,8 +439,9 @@ class PolicyTrainer:
         """The reference's token logprobs of a micro-batch (None without a reference): the
         reference engine's, or with LoRA the policy's with its adapters off, run by `policy`
         (what `scoring` gives; opened here when None)."""
-        if self.ref is not None:
-            return self._forward(self.ref, mb)[0]
+        if self.ref is not None:  # ZeRO-3: one gather of the whole frozen model, no hooks
+            with scoring(self.ref) as ref:
+                return self._forward(ref, mb)[0]
         if not self.base_reference:
             return None
         with ExitStack() as stack:
