@@ -63,7 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # rl-train's placement per preset. tiny: the quickstart's 2 colocated workers, ZeRO-2 (sharding
-# buys nothing on a 0.5M model; the rl-train/zero3 row is the quickstart's ZeRO-3, 1.18x the
+# buys nothing on a 0.5M model; the rl-train/zero3 row is the quickstart's ZeRO-3, 1.03x the
 # step); one worker was 0.25 s/step against 0.18. smollm2: one worker owning both cores,
 # ZeRO stage 0: one engine on two threads generates a step in one pass over the weights, where
 # two engines on a core each read them twice (0.73x), and stage 0 steps the optimizer in 0.4 s

@@ -30,7 +30,7 @@ class TrainerConfig:
     zero3_whole_model_max: int = field(default=10**9, metadata={"bound": ">= 0"})
     ("ZeRO-3 gathers a trained model (policy, critic) of at most this many parameters whole "
      "for each forward and backward: one collective, no per-module hooks (the quickstart's step "
-     "1.11x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's bit for bit, ~1e-7 a "
+     "1.03x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's bit for bit, ~1e-7 a "
      "step from those of ZeRO-3 module by module). The default is DeepSpeed's bound on live "
      "parameters; 0 gathers module by module. The warm-up always gathers module by module (the "
      "base models the published seeds start from). The frozen reference is gathered whole up "
