@@ -229,10 +229,11 @@ def gather_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
 def scoring(engine):
     """The callable to run forwards that are not a training step's with (the post-sync probe,
     the old-logprob pass, every forward of the frozen reference): the engine itself under ZeRO
-    0-2; under ZeRO-3, `engine.module` outside ZeRO-3's hooks. ZeRO-3 records the order in which a step uses the modules and from
-    then on prefetches along that record; a forward of another shape through its hooks replaced
-    the record or broke it (a probe is shorter than the step it is checked against), and each
-    training step then fetched on demand (the quickstart's update 0.17 s instead of 0.13).
+    0-2; under ZeRO-3, `engine.module` outside ZeRO-3's hooks. ZeRO-3 records the order in
+    which a step uses the modules and from then on prefetches along that record; a forward of
+    another shape through its hooks replaced the record or broke it (a probe is shorter than
+    the step it is checked against), and each training step then fetched on demand (the
+    quickstart's update 0.17 s instead of 0.13).
 
     Outside the hooks, a model within LIVE_MAX runs on a full copy of its weights gathered in
     one collective, once per context (`gathered_weights`, `torch.func.functional_call`; the
