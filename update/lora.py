@@ -155,5 +155,6 @@ def plain_model(config, weights: dict[str, torch.Tensor],
                                                    model.get_submodule(owner).state_dict())
     if missing or unexpected:
         raise RuntimeError(f"merged weights do not fit {type(model).__name__}: missing "
-                           f"{missing[:3]}, unexpected {unexpected[:3]}")
+                           f"{missing[:3]}, unexpected {unexpected[:3]} (PEFT or transformers "
+                           f"named them otherwise; sync.lora=adapters syncs without a merge)")
     return model.requires_grad_(False)

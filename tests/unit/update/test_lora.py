@@ -96,3 +96,10 @@ def test_adapters_are_drawn_from_the_seed_alone(model):
     first, again, other = a_weights(0, 5), a_weights(0, 6), a_weights(1, 5)
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert all(not torch.equal(first[n], other[n]) for n in first)
+
+
+def test_merged_weights_that_do_not_fit_the_model_name_the_way_around(model):
+    weights = dict(model.state_dict())
+    del weights["model.norm.weight"]
+    with pytest.raises(RuntimeError, match=r"missing \['model.norm.weight'\].*sync.lora=adapters"):
+        plain_model(model.config, weights, {})
