@@ -12,13 +12,17 @@ runs in fresh processes (torch's threads: 1 per rank, as Ray gives each worker o
 peak is the resident set's high-water mark (VmHWM) from the first timed step on (reset after
 start-up, which loads the whole model on every rank at any stage), per rank.
 
-Where the parameters dominate (bench-100m), ZeRO-3 should hold less than ZeRO-2 (it shards the
-parameters between steps); docs/benchmarks.md says what it holds here. rl-train gathers a model
-within trainer.zero3_whole_model_max whole for each forward and backward (--zero3-whole-model-max
-0: module by module; see update.trainer.EngineModule)."""
+Rows: ZeRO-2; ZeRO-3 as configured by default (a model within trainer.zero3_whole_model_max, 1e9,
+gathered whole for each forward and backward: update.trainer.EngineModule); and ZeRO-3 module by
+module (`3-modules`: trainer.zero3_whole_model_max 0, each module's weights released once used,
+trainer.zero3_release_params). Where the parameters dominate (bench-100m), ZeRO-3 should hold
+less than ZeRO-2; gathered whole it holds a full copy during the step, module by module a layer
+or two. The ranks preload the allocator rl-train's CPU workers get (ray.cpu_malloc auto:
+tcmalloc where installed; --malloc system for glibc's): the resident peak depends on it."""
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import os
 import random
@@ -51,8 +55,12 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
-            out_dir: str, whole_max: int | None) -> None:
+ROWS = {"2": dict(zero_stage=2), "3": dict(zero_stage=3),
+        "3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
+
+
+def _worker(rank: int, world: int, port: int, path: str, row: str, steps: int,
+            out_dir: str) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -62,9 +70,7 @@ def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
     from update.trainer import PolicyTrainer, init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port)
-    cfg = TrainerConfig(zero_stage=stage, micro_batch_size=128, lr=5e-4)
-    if whole_max is not None:
-        cfg.zero3_whole_model_max = whole_max
+    cfg = TrainerConfig(micro_batch_size=128, lr=5e-4, **ROWS[row])
     trainer = PolicyTrainer(path, cfg, LossConfig(kl_coef=0.001), grad_accum=1)
     rng = random.Random(rank)
     samples = []
@@ -86,7 +92,7 @@ def _worker(rank: int, world: int, port: int, path: str, stage: int, steps: int,
         metrics = trainer.train_step([dict(batch)], counts)
         times.append(time.perf_counter() - t0)
         trainer.sequence_logprobs(probe)
-    Path(out_dir, f"{stage}-{rank}.json").write_text(json.dumps(
+    Path(out_dir, f"{row}-{rank}.json").write_text(json.dumps(
         {"step_s": sorted(times)[len(times) // 2], "peak_mib": peak_rss_mib(),
          "loss": metrics["loss/policy"]}))
 
@@ -98,25 +104,29 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench-100m", choices=sorted(PRESETS))
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per stage (median)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each stage, alternating")
-    ap.add_argument("--zero3-whole-model-max", type=int,
-                    help="trainer.zero3_whole_model_max (default: the config's)")
+    ap.add_argument("--malloc", default="auto",
+                    help="auto (what rl-train's CPU workers preload), system, or a library")
     args = ap.parse_args()
+    malloc = {"auto": ctypes.util.find_library("tcmalloc_minimal")
+              or ctypes.util.find_library("tcmalloc"), "system": None}.get(args.malloc, args.malloc)
+    if malloc:  # the spawned ranks start with it preloaded, as rl.run.cluster's workers do
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), malloc]))
     path = str(build_tiny_model(args.model))  # before any process group: rank 0 writes files
     out = tempfile.mkdtemp()
     cpu = ("amx_bf16" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX")
     print(f"update step, {args.model}, 2 ranks x 1 thread, {os.cpu_count()} cores ({cpu}), "
-          f"median of {args.steps} steps; peak resident memory per rank during the steps")
+          f"median of {args.steps} steps; peak resident memory per rank during the steps; "
+          f"allocator {malloc or 'glibc'}")
     rows = {}
     for k in range(args.repeats):
-        for stage in map(int, args.stages.split(",")):
-            mp.spawn(_worker, args=(2, free_port(), path, stage, args.steps, out,
-                                    args.zero3_whole_model_max), nprocs=2)
-            ranks = [json.loads(Path(out, f"{stage}-{r}.json").read_text()) for r in range(2)]
-            rows.setdefault(stage, []).append(ranks)
-            print(f"  ZeRO-{stage} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "
+        for row in args.rows.split(","):
+            mp.spawn(_worker, args=(2, free_port(), path, row, args.steps, out), nprocs=2)
+            ranks = [json.loads(Path(out, f"{row}-{r}.json").read_text()) for r in range(2)]
+            rows.setdefault(row, []).append(ranks)
+            print(f"  ZeRO-{row} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "
                   + ", ".join(f"{r['peak_mib']:.0f}" for r in ranks) + " MiB", flush=True)
     print("\n| ZeRO stage | step s (per run) | peak MiB rank 0 | peak MiB rank 1 |")
     print("| --- | --- | --- | --- |")
@@ -124,11 +134,11 @@ def main() -> None:
         steps = ", ".join(f"{r[0]['step_s']:.3f}" for r in runs)
         print(f"| {stage} | {steps} | {max(r[0]['peak_mib'] for r in runs):.0f} "
               f"| {max(r[1]['peak_mib'] for r in runs):.0f} |")
-    if 2 in rows and 3 in rows:
-        for k, (two, three) in enumerate(zip(rows[2], rows[3])):
+    for name in [r for r in rows if r != "2" and "2" in rows]:
+        for k, (two, three) in enumerate(zip(rows["2"], rows[name])):
             ratio = three[0]["step_s"] / two[0]["step_s"]
-            print(f"run {k + 1}: ZeRO-3 / ZeRO-2 step {ratio:.2f}x, peak per rank " + ", ".join(
-                      f"{three[r]['peak_mib'] / two[r]['peak_mib']:.2f}x" for r in range(2)))
+            peaks = ", ".join(f"{three[r]['peak_mib'] / two[r]['peak_mib']:.2f}x" for r in range(2))
+            print(f"run {k + 1}: ZeRO-{name} / ZeRO-2 step {ratio:.2f}x, peak per rank {peaks}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,15 @@ import torch
 from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
-from update.trainer import EngineModule, ds_config, is_whole, load_engine, save_engine, scoring
+from update.trainer import (
+    EngineModule,
+    ds_config,
+    is_whole,
+    load_engine,
+    release_unit,
+    save_engine,
+    scoring,
+)
 
 
 class ValueModel(torch.nn.Module):
@@ -49,7 +57,8 @@ class ValueTrainer:
                                       betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
             model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
-            config=ds_config(cfg, self.world_size, grad_accum))
+            config=ds_config(cfg, self.world_size, grad_accum,
+                             release_unit=release_unit(model, cfg)))
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         save_engine(self.engine, directory, tag)

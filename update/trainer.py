@@ -97,7 +97,10 @@ def jit_build_lock(build_dir: Path):
         yield
 
 
-def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True) -> dict:
+def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True,
+              release_unit: int | None = None) -> dict:
+    """release_unit: ZeRO-3 gathers the model module by module and releases what it gathered
+    once used (`release_unit`), the largest decoder layer's parameter count."""
     config = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
@@ -120,6 +123,20 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if release_unit is not None:
+        config["zero_optimization"].update(
+            # DeepSpeed keeps a gathered weight that is used again within this many elements
+            # (default 1e9: a smaller model stays gathered from its forward into its backward)
+            stage3_max_reuse_distance=0,
+            stage3_prefetch_bucket_size=release_unit,  # about one decoder layer ahead
+            stage3_max_live_parameters=3 * release_unit,
+            # gradients reduced a layer at a time (DeepSpeed's default buffer, 5e8 elements,
+            # takes a smaller model's whole gradient, and keeps those pages)
+            reduce_bucket_size=release_unit,
+            # torch's linear keeps the gathered weight for its backward (x @ W.t() saves the
+            # view W.t(), which holds W's memory after ZeRO-3 has released W): with it a
+            # forward of bench-100m ended holding every weight (+0.7 GB a rank)
+            memory_efficient_linear=True)
     if train:
         config["gradient_clipping"] = cfg.grad_clip
         config["zero_allow_untested_optimizer"] = True  # a client torch AdamW: no JIT op build
@@ -204,8 +221,6 @@ class EngineModule(torch.nn.Module):
         return self.body(anchor, *args, **kwargs)
 
 
-# DeepSpeed's default stage3_max_live_parameters: what ZeRO-3 may hold gathered at once anyway
-LIVE_MAX = 10**9
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -235,10 +250,10 @@ def scoring(engine):
     the step it is checked against), and each training step then fetched on demand (the
     quickstart's update 0.17 s instead of 0.13).
 
-    Outside the hooks, a model within LIVE_MAX runs on a full copy of its weights gathered in
-    one collective, once per context (`gathered_weights`, `torch.func.functional_call`; the
-    tiny model's probe 7 ms instead of 18 with a gather per layer); a larger one gathers each
-    decoder layer just before it runs and releases it after
+    Outside the hooks, a model gathered whole for training (`EngineModule.whole`) runs on a
+    full copy of its weights gathered in one collective, once per context (`gathered_weights`,
+    `torch.func.functional_call`; the tiny model's probe 7 ms instead of 18 with a gather per
+    layer); another gathers each decoder layer just before it runs and releases it after
     (`deepspeed.zero.GatheredParameters`)."""
     module = engine.module
     if engine.zero_optimization_stage() != 3:
@@ -248,7 +263,7 @@ def scoring(engine):
     from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
     saved = {m: [getattr(m, name) for name in HOOK_DICTS] for m in module.modules()}
-    full_copy = sum(p.ds_numel for p in module.parameters()) <= LIVE_MAX
+    full_copy = z3_whole(module)
     units = {} if full_copy else dict(gather_units(module))
     handles, gathered, weights = [], {}, {}
 
@@ -306,12 +321,20 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
     return out
 
 
-def is_whole(model: torch.nn.Module, cfg: TrainerConfig, frozen: bool = False) -> bool:
-    """Whether ZeRO-3 gathers `model` whole (EngineModule): a trained model within
-    `trainer.zero3_whole_model_max`; a frozen one (the reference) within LIVE_MAX, since
-    gathering it whole changes no number (it has no gradients to reduce)."""
-    bound = LIVE_MAX if frozen else cfg.zero3_whole_model_max
-    return cfg.zero_stage == 3 and sum(p.numel() for p in model.parameters()) <= bound
+def is_whole(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
+    """Whether ZeRO-3 gathers `model` whole (EngineModule): within
+    `trainer.zero3_whole_model_max` parameters. The frozen reference follows the same bound:
+    its full copy costs what the policy's does."""
+    return (cfg.zero_stage == 3
+            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_whole_model_max)
+
+
+def release_unit(model: torch.nn.Module, cfg: TrainerConfig) -> int | None:
+    """ds_config's release_unit for `model`: its largest gather unit (a decoder layer) where
+    ZeRO-3 gathers it module by module and `trainer.zero3_release_params` is on, else None."""
+    if cfg.zero_stage != 3 or not cfg.zero3_release_params or is_whole(model, cfg):
+        return None
+    return max(sum(p.numel() for p in ps) for _, ps in gather_units(model))
 
 
 def z3_whole(module: torch.nn.Module) -> bool:
@@ -362,7 +385,8 @@ class PolicyTrainer:
                                       weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(
             model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
-            config=ds_config(cfg, self.world_size, grad_accum))
+            config=ds_config(cfg, self.world_size, grad_accum,
+                             release_unit=release_unit(model, cfg)))
         self.ref = None
         # LoRA: the reference is the policy with its adapters off
         self.base_reference = loss_cfg.kl_coef > 0 and self.peft is not None
@@ -370,7 +394,7 @@ class PolicyTrainer:
             ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref_model.requires_grad_(False)
             self.ref, *_ = deepspeed.initialize(
-                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg, frozen=True)),
+                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg)),
                 config=ds_config(cfg, self.world_size, grad_accum, train=False))
             self.ref.eval()
         self.share_prompts = self._can_share_prompts()

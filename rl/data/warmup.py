@@ -88,7 +88,8 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     # the warm-up makes the base model, in full, with ZeRO-3 (if used) module by module: the
     # base models of the published seeds (whole gathers differ in the last bits, and a warm-up
     # ends in another model; the cache key leaves the trainer's ZeRO settings out)
-    trainer_cfg = replace(cfg.trainer, lr=w.lr, lora=None, zero3_whole_model_max=0)
+    trainer_cfg = replace(cfg.trainer, lr=w.lr, lora=None, zero3_whole_model_max=0,
+                          zero3_release_params=False)
     loss_cfg = replace(cfg.algorithm.loss, kl_coef=0.0)
     ray.get([wk.init_trainer.remote(model_path, trainer_cfg, loss_cfg, grad_accum, 1.0)
              for wk in workers])

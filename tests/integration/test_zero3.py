@@ -1,7 +1,8 @@
 """ZeRO-3 as the update runs it (update.trainer.EngineModule, `scoring`) against ZeRO-2, on real
 DeepSpeed engines, 2 ranks over gloo with the quickstart's shared-prompt layout and a KL
 reference: the same losses, gradient norms, probe logprobs and updated weights (1e-6), for the
-policy gathered module by module and whole (the default: one leaf module, also under gradient
+policy gathered module by module (each module's weights released once used, DeepSpeed's
+memory-efficient linear) and whole (the default: one leaf module, also under gradient
 checkpointing); a PPO critic alike. And
 the probe and the old-logprob pass, run between training steps as rl-train runs them, leave
 ZeRO-3's record of the step's module order whole (else every step fetches on demand)."""
@@ -18,9 +19,16 @@ CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3, zero3_whole_
            # activations recomputed in the backward, inside the leaf (full layout: HF turns the
            # cache off under checkpointing)
            "zero2_checkpointing": dict(zero_stage=2, gradient_checkpointing=True),
-           "zero3_whole_checkpointing": dict(WHOLE, gradient_checkpointing=True)}
+           "zero3_whole_checkpointing": dict(WHOLE, gradient_checkpointing=True),
+           "zero3_checkpointing": dict(zero_stage=3, zero3_whole_model_max=0,
+                                       gradient_checkpointing=True)}
 PAIRS = [("zero2", "zero3"), ("zero2", "zero3_whole"),
-         ("zero2_checkpointing", "zero3_whole_checkpointing")]
+         ("zero2_checkpointing", "zero3_whole_checkpointing"),
+         ("zero2_checkpointing", "zero3_checkpointing")]
+# module by module, ZeRO-3 reduces the gradient of a weight used twice in parts (~1e-7 a step
+# from ZeRO-2's sum); under checkpointing the four steps' weights end 1.01e-6 apart, as much with
+# DeepSpeed's defaults (zero3_release_params false) as with the release
+WEIGHTS_TOL = {"zero3_checkpointing": 2e-6}
 PROBE = list(range(3, 40))
 
 
@@ -86,9 +94,10 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
     # before the ranks join their group: transformers writes model files on rank 0 only
     out = spawn_world(_run, 2, str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m")))
     for rank, results in out.items():
-        # the policy gathered whole where asked; the frozen reference wherever ZeRO-3 runs
-        assert [results[c]["whole"] for c in CONFIGS] == [False, False, True, False, True]
-        assert [results[c]["ref_whole"] for c in CONFIGS] == [False, True, True, False, True]
+        # the policy gathered whole where asked, the frozen reference as the policy
+        assert [results[c]["whole"] for c in CONFIGS] == [False, False, True, False, True, False]
+        assert [results[c]["ref_whole"] for c in CONFIGS] == [False, False, True, False, True,
+                                                              False]
         for base, name in PAIRS:
             z2, z3 = results[base], results[name]
             for m2, m3 in zip(z2["metrics"], z3["metrics"], strict=True):
@@ -106,4 +115,4 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
                 w2, w3 = z2["weights"], z3["weights"]
                 assert w2.keys() == w3.keys()
                 moved = max(float((w2[k] - w3[k]).abs().max()) for k in w2)
-                assert moved <= 1e-6, (name, moved)
+                assert moved <= WEIGHTS_TOL.get(name, 1e-6), (name, moved)

@@ -23,3 +23,37 @@ def test_bf16_modes(dtype, mode, bf16, autocast):
     config = ds_config(TrainerConfig(dtype=dtype, bf16_mode=mode), 1, 1)
     assert config["bf16"]["enabled"] is bf16
     assert config["torch_autocast"]["enabled"] is autocast
+
+
+def _small_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        vocab_size=100, tie_word_embeddings=False))
+
+
+def test_zero3_gathers_whole_within_the_bound_else_releases_layer_by_layer():
+    """Within zero3_whole_model_max a model is gathered whole (no release settings); above it,
+    module by module with each module released once used, prefetch and reduce buffers of one
+    decoder layer and DeepSpeed's memory-efficient linear; release off: DeepSpeed's defaults."""
+    from update.trainer import is_whole, release_unit
+
+    model = _small_model()
+    n = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert layer < n
+    for cfg, whole, unit in [(TrainerConfig(zero3_whole_model_max=n), True, None),
+                             (TrainerConfig(zero3_whole_model_max=n - 1), False, layer),
+                             (TrainerConfig(zero3_whole_model_max=0, zero3_release_params=False),
+                              False, None),
+                             (TrainerConfig(zero_stage=2, zero3_whole_model_max=0), False, None)]:
+        assert (is_whole(model, cfg), release_unit(model, cfg)) == (whole, unit), cfg
+        zero = ds_config(cfg, 2, 1, release_unit=unit)["zero_optimization"]
+        if unit is None:
+            assert "stage3_max_reuse_distance" not in zero
+            assert zero["memory_efficient_linear"] is False
+        else:
+            assert zero["stage3_max_reuse_distance"] == 0
+            assert zero["stage3_prefetch_bucket_size"] == zero["reduce_bucket_size"] == layer
+            assert zero["memory_efficient_linear"] is True
