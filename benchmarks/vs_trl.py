@@ -32,10 +32,11 @@ Besides the times, each row reports the peak resident memory of its trainer proc
 summed over the trainer ranks, which colocated hold their engines too; TRL: its one process,
 which generates too) and the bytes each sync moves (rl-train). Colocated, an rl-train trainer
 process holds its engine; `--placement disaggregated` runs the rl-train rows with one rollout
-worker of their own, so that the trainer's memory stands alone, and `--checkpointing` has every
-row recompute activations in the backward, so that what stays is the parameters' part (the
-LoRA memory target: `--preset smollm2 --placement disaggregated --checkpointing --rows
-rl-train,rl-train/lora,rl-train/lora-adapters`).
+worker of their own, so that the trainer's memory stands alone (the LoRA memory target:
+`--preset smollm2 --placement disaggregated --rows rl-train,rl-train/lora,rl-train/lora-adapters`).
+The LoRA rows recompute activations in the backward, as rl-train does by default with LoRA
+(trainer.gradient_checkpointing), and trl/lora with them (TRL's own default); `--checkpointing`
+has every row do so, so that what stays is the parameters' part.
 Each row runs `skip` steps first, then `steps` timed steps. This 2-core machine's speed drifts
 by 10-25% from step to step and from minute to minute, so the rows that the ratios compare
 (rl-train, rl-train/zero3, raw) run `repeats` times, alternating (rl-train, rl-train/zero3, raw,
@@ -116,7 +117,8 @@ def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
         "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
                     "bf16_mode": "autocast",
                     "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"],
-                    "gradient_checkpointing": preset.get("checkpointing", False)},
+                    # None: rl-train's default (on with LoRA)
+                    "gradient_checkpointing": preset.get("checkpointing")},
         "ray": {"num_workers": preset["workers"],
                 **({"num_rollout_workers": 1} if preset.get("placement") else {})},
         **({"placement": preset["placement"]} if preset.get("placement") else {}),
@@ -262,7 +264,9 @@ def run_trl(preset: dict, dtype: str, out: dict, lora: bool = False) -> None:
         learning_rate=preset["lr"], beta=preset["kl"], epsilon=0.2, loss_type="dapo",
         scale_rewards="group", lr_scheduler_type="constant", warmup_steps=0,
         max_steps=preset["skip"] + preset["steps"], logging_steps=1, report_to="none",
-        save_strategy="no", gradient_checkpointing=preset.get("checkpointing", False),
+        # as the rl-train row it is held against: on with LoRA (rl-train's default, and TRL's own
+        # GRPOConfig default), else off unless --checkpointing
+        save_strategy="no", gradient_checkpointing=bool(preset.get("checkpointing") or lora),
         bf16=dtype == "bfloat16",
         generation_kwargs={"min_new_tokens": preset.get("min_new_tokens", 0)},
         use_cpu=True, seed=0, temperature=1.0, max_grad_norm=1.0, disable_tqdm=True,

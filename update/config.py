@@ -66,8 +66,12 @@ class TrainerConfig:
     "Global gradient-norm clip; 0 turns it off."
     micro_batch_size: int = field(default=8, metadata={"bound": ">= 1"})
     "Samples per forward/backward on one rank; gradient accumulation covers the rest."
-    gradient_checkpointing: bool = False
-    "Recompute activations in backward (less memory, about 30% more time)."
+    gradient_checkpointing: Optional[bool] = None
+    ("Recompute activations in the backward: less memory, about 30% more update time, and no "
+     "prompt sharing (HF turns the cache off). None: on with LoRA, off otherwise (LoRA is for "
+     "memory, and without it the activations are most of what a LoRA trainer holds: SmolLM2-135M "
+     "in float32, the trainer's peak 0.67x full fine-tuning's without, 0.41x with; TRL's "
+     "GRPOConfig turns it on by default).")
     enable_prompt_sharing: bool = True
     ("Run each distinct prompt of a micro-batch once and its responses on its cached keys and "
      "values (update.forward; the same logits, 2.6x less work on the quickstart); checked at "
@@ -90,6 +94,12 @@ class TrainerConfig:
     eval_threshold: float = field(default=1.0, metadata={"bound": "any"})
     ("Held-out evaluation: a response counts as correct when its reward reaches this (1.0: a "
      "verifier's full marks, e.g. exact_answer).")
+
+    def checkpointing(self) -> bool:
+        """gradient_checkpointing with its default resolved: on with LoRA."""
+        if self.gradient_checkpointing is None:
+            return self.lora is not None
+        return self.gradient_checkpointing
 
 
 @dataclass

@@ -375,7 +375,7 @@ class PolicyTrainer:
             from update.lora import add_adapters
 
             self.peft = add_adapters(model, cfg.lora, seed)  # in place: `model` holds the adapters
-        if cfg.gradient_checkpointing:
+        if cfg.checkpointing():
             model.gradient_checkpointing_enable()
             if self.peft is not None:  # a frozen embedding: checkpointed layers need a grad
                 model.enable_input_require_grads()
@@ -408,7 +408,7 @@ class PolicyTrainer:
 
         if not self.cfg.enable_prompt_sharing:
             return False
-        if self.cfg.gradient_checkpointing:  # HF turns the cache off under checkpointing
+        if self.cfg.checkpointing():  # HF turns the cache off under checkpointing
             return False
         diff, error = check_model_class(self.module.config)
         if diff <= SHARED_PROMPT_TOLERANCE:

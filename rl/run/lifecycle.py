@@ -34,7 +34,8 @@ def check_lora_targets(cfg: Config, model_path: str) -> None:
         raise ConfigError(f"trainer.lora.{e}; fix the list") from None
     lora = cfg.trainer.lora
     print(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; "
-          f"syncs move the {'adapter' if cfg.sync.lora == 'adapters' else 'merged model'}"
+          f"syncs move the {'adapter' if cfg.sync.lora == 'adapters' else 'merged model'}; "
+          f"gradient checkpointing {'on' if cfg.trainer.checkpointing() else 'off'}"
           + ("; reference policy: the base model (the adapter switched off), no second copy "
              "loaded" if cfg.algorithm.loss.kl_coef > 0 else ""), flush=True)
 

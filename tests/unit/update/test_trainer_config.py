@@ -57,3 +57,14 @@ def test_zero3_gathers_whole_within_the_bound_else_releases_layer_by_layer():
             assert zero["stage3_max_reuse_distance"] == 0
             assert zero["stage3_prefetch_bucket_size"] == zero["reduce_bucket_size"] == layer
             assert zero["memory_efficient_linear"] is True
+
+
+def test_gradient_checkpointing_defaults_on_with_lora_only():
+    """LoRA is for memory, and the activations are most of what a LoRA trainer holds: its
+    default recomputes them; full fine-tuning keeps them (prompt sharing); a set value wins."""
+    from update.config import LoraConfig
+
+    assert TrainerConfig().checkpointing() is False
+    assert TrainerConfig(lora=LoraConfig()).checkpointing() is True
+    assert TrainerConfig(lora=LoraConfig(), gradient_checkpointing=False).checkpointing() is False
+    assert TrainerConfig(gradient_checkpointing=True).checkpointing() is True
