@@ -22,7 +22,6 @@ tcmalloc where installed; --malloc system for glibc's): the resident peak depend
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import os
 import random
@@ -101,6 +100,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     from rl.data.models import PRESETS, build_tiny_model
+    from rl.run.cluster import tcmalloc
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench-100m", choices=sorted(PRESETS))
@@ -110,8 +110,7 @@ def main() -> None:
     ap.add_argument("--malloc", default="auto",
                     help="auto (what rl-train's CPU workers preload), system, or a library")
     args = ap.parse_args()
-    malloc = {"auto": ctypes.util.find_library("tcmalloc_minimal")
-              or ctypes.util.find_library("tcmalloc"), "system": None}.get(args.malloc, args.malloc)
+    malloc = {"auto": tcmalloc(), "system": None}.get(args.malloc, args.malloc)
     if malloc:  # the spawned ranks start with it preloaded, as rl.run.cluster's workers do
         os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), malloc]))
     path = str(build_tiny_model(args.model))  # before any process group: rank 0 writes files

@@ -10,8 +10,6 @@ from rl.schema import Config
 
 def cpu_malloc(cfg: Config) -> str | None:
     """The library the workers preload as their allocator (ray.cpu_malloc), or None."""
-    import ctypes.util
-
     choice = cfg.ray.cpu_malloc
     if choice == "system":
         return None
@@ -19,8 +17,13 @@ def cpu_malloc(cfg: Config) -> str | None:
         return choice
     gpus = cfg.ray.num_gpus_per_worker or (cfg.placement == "disaggregated"
                                            and cfg.ray.num_gpus_per_rollout_worker)
-    if gpus:
-        return None
+    return None if gpus else tcmalloc()
+
+
+def tcmalloc() -> str | None:
+    """The installed tcmalloc library (the minimal build first), or None."""
+    import ctypes.util
+
     return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 

@@ -14,14 +14,14 @@ from tests.spawn import spawn_world
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
 WHOLE = dict(zero_stage=3, zero3_whole_model_max=10**9)
-CONFIGS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3, zero3_whole_model_max=0),
+MODULES = dict(zero_stage=3, zero3_whole_model_max=0)
+CONFIGS = {"zero2": dict(zero_stage=2), "zero3": MODULES,
            "zero3_whole": WHOLE,
            # activations recomputed in the backward, inside the leaf (full layout: HF turns the
            # cache off under checkpointing)
            "zero2_checkpointing": dict(zero_stage=2, gradient_checkpointing=True),
            "zero3_whole_checkpointing": dict(WHOLE, gradient_checkpointing=True),
-           "zero3_checkpointing": dict(zero_stage=3, zero3_whole_model_max=0,
-                                       gradient_checkpointing=True)}
+           "zero3_checkpointing": dict(MODULES, gradient_checkpointing=True)}
 PAIRS = [("zero2", "zero3"), ("zero2", "zero3_whole"),
          ("zero2_checkpointing", "zero3_whole_checkpointing"),
          ("zero2_checkpointing", "zero3_checkpointing")]
