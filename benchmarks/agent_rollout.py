@@ -50,14 +50,17 @@ def turn_length(rng: random.Random, lengths: str, turn_tokens: tuple[int, int],
 
 def with_positions(path: str, positions: int) -> str:
     """`path`, or a copy of it (links to its files, a new config.json) whose config allows
-    `positions` positions."""
+    `positions` positions, removed when the benchmark exits."""
+    import atexit
     import json
+    import shutil
     import tempfile
 
     config = json.loads((Path(path) / "config.json").read_text())
     if config.get("max_position_embeddings", positions) >= positions:
         return path
     out = Path(tempfile.mkdtemp(prefix="agent-rollout-model-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     for f in Path(path).iterdir():
         if f.name != "config.json":
             (out / f.name).symlink_to(f.resolve())
