@@ -1,5 +1,5 @@
-"""The update step alone on 2 ranks (CPU, gloo), per ZeRO stage: step time and each rank's peak
-resident memory during the steps.
+"""The update step alone on 2 ranks (CPU, gloo; --ranks), per ZeRO stage: step time and each
+rank's peak resident memory during the steps.
 
     .venv/bin/python benchmarks/update_zero.py --model bench-100m   # ~100M parameters (memory)
     .venv/bin/python benchmarks/update_zero.py --model tiny-qwen2   # the quickstart's model
@@ -12,13 +12,15 @@ runs in fresh processes (torch's threads: 1 per rank, as Ray gives each worker o
 peak is the resident set's high-water mark (VmHWM) from the first timed step on (reset after
 start-up, which loads the whole model on every rank at any stage), per rank.
 
-Rows: ZeRO-2; ZeRO-3 as configured by default (a model within trainer.zero3_whole_model_max, 1e9,
-gathered whole for each forward and backward: update.trainer.EngineModule); and ZeRO-3 module by
-module (`3-modules`: trainer.zero3_whole_model_max 0, each module's weights released once used,
-trainer.zero3_release_params). Where the parameters dominate (bench-100m), ZeRO-3 should hold
-less than ZeRO-2; gathered whole it holds a full copy during the step, module by module a layer
-or two. The ranks preload the allocator rl-train's CPU workers get (ray.cpu_malloc auto:
-tcmalloc where installed; --malloc system for glibc's): the resident peak depends on it."""
+Rows: ZeRO-2; ZeRO-3 as configured by default (`3`: a model within
+trainer.zero3_whole_model_max, 5e7 parameters, or on one rank, gathered whole for each forward and
+backward, update.trainer.EngineModule; a larger one module by module, each module's weights
+released once used, trainer.zero3_release_params); and ZeRO-3 either way whatever the size
+(`3-whole`: the bound 1e9; `3-modules`: the bound 0). Where the parameters dominate (bench-100m,
+module by module by default on 2 ranks), ZeRO-3 should hold less than ZeRO-2; gathered whole it
+holds a full copy during the step, module by module a layer or two. The ranks preload the
+allocator rl-train's CPU workers get (ray.cpu_malloc auto: tcmalloc where installed; --malloc
+system for glibc's): the resident peak depends on it."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +57,7 @@ def reset_peak() -> None:
 
 
 ROWS = {"2": dict(zero_stage=2), "3": dict(zero_stage=3),
+        "3-whole": dict(zero_stage=3, zero3_whole_model_max=10**9),
         "3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
 
 
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per stage (median)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each stage, alternating")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks, 1 torch thread each")
     ap.add_argument("--malloc", default="auto",
                     help="auto (what rl-train's CPU workers preload), system, or a library")
     args = ap.parse_args()
@@ -116,27 +120,30 @@ def main() -> None:
     path = str(build_tiny_model(args.model))  # before any process group: rank 0 writes files
     out = tempfile.mkdtemp()
     cpu = ("amx_bf16" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "no AMX")
-    print(f"update step, {args.model}, 2 ranks x 1 thread, {os.cpu_count()} cores ({cpu}), "
+    world = args.ranks
+    print(f"update step, {args.model}, {world} ranks x 1 thread, {os.cpu_count()} cores ({cpu}), "
           f"median of {args.steps} steps; peak resident memory per rank during the steps; "
           f"allocator {malloc or 'glibc'}")
     rows = {}
     for k in range(args.repeats):
         for row in args.rows.split(","):
-            mp.spawn(_worker, args=(2, free_port(), path, row, args.steps, out), nprocs=2)
-            ranks = [json.loads(Path(out, f"{row}-{r}.json").read_text()) for r in range(2)]
+            mp.spawn(_worker, args=(world, free_port(), path, row, args.steps, out), nprocs=world)
+            ranks = [json.loads(Path(out, f"{row}-{r}.json").read_text()) for r in range(world)]
             rows.setdefault(row, []).append(ranks)
             print(f"  ZeRO-{row} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "
                   + ", ".join(f"{r['peak_mib']:.0f}" for r in ranks) + " MiB", flush=True)
-    print("\n| ZeRO stage | step s (per run) | peak MiB rank 0 | peak MiB rank 1 |")
-    print("| --- | --- | --- | --- |")
+    print("\n| ZeRO stage | step s (per run) | "
+          + " | ".join(f"peak MiB rank {r}" for r in range(world)) + " |")
+    print("| --- | --- |" + " --- |" * world)
     for stage, runs in rows.items():
         steps = ", ".join(f"{r[0]['step_s']:.3f}" for r in runs)
-        print(f"| {stage} | {steps} | {max(r[0]['peak_mib'] for r in runs):.0f} "
-              f"| {max(r[1]['peak_mib'] for r in runs):.0f} |")
+        print(f"| {stage} | {steps} | " + " | ".join(
+            f"{max(run[r]['peak_mib'] for run in runs):.0f}" for r in range(world)) + " |")
     for name in [r for r in rows if r != "2" and "2" in rows]:
         for k, (two, three) in enumerate(zip(rows["2"], rows[name])):
             ratio = three[0]["step_s"] / two[0]["step_s"]
-            peaks = ", ".join(f"{three[r]['peak_mib'] / two[r]['peak_mib']:.2f}x" for r in range(2))
+            peaks = ", ".join(f"{three[r]['peak_mib'] / two[r]['peak_mib']:.2f}x"
+                              for r in range(world))
             print(f"run {k + 1}: ZeRO-{name} / ZeRO-2 step {ratio:.2f}x, peak per rank {peaks}")
 
 

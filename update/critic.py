@@ -9,15 +9,7 @@ import torch
 from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
-from update.trainer import (
-    EngineModule,
-    ds_config,
-    is_whole,
-    load_engine,
-    release_unit,
-    save_engine,
-    scoring,
-)
+from update.trainer import load_engine, save_engine, scoring, zero_engine
 
 
 class ValueModel(torch.nn.Module):
@@ -47,7 +39,6 @@ class ValueModel(torch.nn.Module):
 
 class ValueTrainer:
     def __init__(self, model_path: str, cfg: TrainerConfig, loss_cfg: LossConfig, grad_accum: int):
-        import deepspeed
         import torch.distributed as dist
 
         self.loss_cfg, self.grad_accum = loss_cfg, grad_accum
@@ -55,10 +46,7 @@ class ValueTrainer:
         model = ValueModel(model_path)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.critic_lr,
                                       betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        self.engine, *_ = deepspeed.initialize(
-            model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
-            config=ds_config(cfg, self.world_size, grad_accum,
-                             release_unit=release_unit(model, cfg)))
+        self.engine = zero_engine(model, cfg, self.world_size, grad_accum, optimizer)
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         save_engine(self.engine, directory, tag)

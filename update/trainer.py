@@ -321,20 +321,36 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
     return out
 
 
-def is_whole(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
-    """Whether ZeRO-3 gathers `model` whole (EngineModule): within
-    `trainer.zero3_whole_model_max` parameters. The frozen reference follows the same bound:
-    its full copy costs what the policy's does."""
-    return (cfg.zero_stage == 3
-            and sum(p.numel() for p in model.parameters()) <= cfg.zero3_whole_model_max)
+def is_whole(model: torch.nn.Module, cfg: TrainerConfig, world: int) -> bool:
+    """Whether ZeRO-3 on `world` ranks gathers `model` whole (EngineModule): within
+    `trainer.zero3_whole_model_max` parameters, or on one rank (no partition to save memory
+    with: module by module only adds DeepSpeed's hooks), unless the key is 0. The frozen
+    reference follows the same rule: its full copy costs what the policy's does."""
+    if cfg.zero_stage != 3 or cfg.zero3_whole_model_max == 0:
+        return False
+    return world == 1 or sum(p.numel() for p in model.parameters()) <= cfg.zero3_whole_model_max
 
 
-def release_unit(model: torch.nn.Module, cfg: TrainerConfig) -> int | None:
+def release_unit(model: torch.nn.Module, cfg: TrainerConfig, world: int) -> int | None:
     """ds_config's release_unit for `model`: its largest gather unit (a decoder layer) where
     ZeRO-3 gathers it module by module and `trainer.zero3_release_params` is on, else None."""
-    if cfg.zero_stage != 3 or not cfg.zero3_release_params or is_whole(model, cfg):
+    if cfg.zero_stage != 3 or not cfg.zero3_release_params or is_whole(model, cfg, world):
         return None
     return max(sum(p.numel() for p in ps) for _, ps in gather_units(model))
+
+
+def zero_engine(model: torch.nn.Module, cfg: TrainerConfig, world: int, grad_accum: int,
+                optimizer: torch.optim.Optimizer | None = None):
+    """The DeepSpeed engine of `model` (in an EngineModule, gathered whole or module by module
+    by `is_whole`); without an optimizer, a frozen model's (the reference)."""
+    import deepspeed
+
+    train = optimizer is not None
+    unit = release_unit(model, cfg, world) if train else None
+    engine, *_ = deepspeed.initialize(
+        model=EngineModule(model, whole=is_whole(model, cfg, world)), optimizer=optimizer,
+        config=ds_config(cfg, world, grad_accum, train=train, release_unit=unit))
+    return engine
 
 
 def z3_whole(module: torch.nn.Module) -> bool:
@@ -361,7 +377,6 @@ class PolicyTrainer:
                  grad_accum: int, temperature: float = 1.0, norm_length: float = 1.0,
                  seed: int = 0):
         """`seed` draws the LoRA adapters' A, the same on every rank (rl-train: run.seed)."""
-        import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
@@ -383,19 +398,14 @@ class PolicyTrainer:
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                       weight_decay=cfg.weight_decay)
-        self.engine, *_ = deepspeed.initialize(
-            model=EngineModule(model, whole=is_whole(model, cfg)), optimizer=optimizer,
-            config=ds_config(cfg, self.world_size, grad_accum,
-                             release_unit=release_unit(model, cfg)))
+        self.engine = zero_engine(model, cfg, self.world_size, grad_accum, optimizer)
         self.ref = None
         # LoRA: the reference is the policy with its adapters off
         self.base_reference = loss_cfg.kl_coef > 0 and self.peft is not None
         if loss_cfg.kl_coef > 0 and self.peft is None:
             ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref_model.requires_grad_(False)
-            self.ref, *_ = deepspeed.initialize(
-                model=EngineModule(ref_model, whole=is_whole(ref_model, cfg)),
-                config=ds_config(cfg, self.world_size, grad_accum, train=False))
+            self.ref = zero_engine(ref_model, cfg, self.world_size, grad_accum)
             self.ref.eval()
         self.share_prompts = self._can_share_prompts()
 

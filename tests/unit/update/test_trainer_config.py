@@ -1,5 +1,7 @@
 """DeepSpeed configs: a frozen model (the reference) gets a stage DeepSpeed accepts without an
 optimizer, whatever stage the trainer uses."""
+from types import SimpleNamespace
+
 import pytest
 
 from update.config import TrainerConfig
@@ -33,22 +35,25 @@ def _small_model():
                                         vocab_size=100, tie_word_embeddings=False))
 
 
-def test_zero3_gathers_whole_within_the_bound_else_releases_layer_by_layer():
-    """Within zero3_whole_model_max a model is gathered whole (no release settings); above it,
-    module by module with each module released once used, prefetch and reduce buffers of one
-    decoder layer and DeepSpeed's memory-efficient linear; release off: DeepSpeed's defaults."""
+def test_zero3_gathers_whole_within_the_bound_or_on_one_rank_else_releases_layer_by_layer():
+    """Within zero3_whole_model_max, or on one rank, a model is gathered whole (no release
+    settings); above it on several ranks, or with the key 0, module by module with each module
+    released once used, prefetch and reduce buffers of one decoder layer and DeepSpeed's
+    memory-efficient linear; release off: DeepSpeed's defaults."""
     from update.trainer import is_whole, release_unit
 
     model = _small_model()
     n = sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert layer < n
-    for cfg, whole, unit in [(TrainerConfig(zero3_whole_model_max=n), True, None),
-                             (TrainerConfig(zero3_whole_model_max=n - 1), False, layer),
-                             (TrainerConfig(zero3_whole_model_max=0, zero3_release_params=False),
-                              False, None),
-                             (TrainerConfig(zero_stage=2, zero3_whole_model_max=0), False, None)]:
-        assert (is_whole(model, cfg), release_unit(model, cfg)) == (whole, unit), cfg
+    assert layer < n < TrainerConfig().zero3_whole_model_max
+    for cfg, world, whole, unit in [
+            (TrainerConfig(zero3_whole_model_max=n), 2, True, None),
+            (TrainerConfig(zero3_whole_model_max=n - 1), 2, False, layer),
+            (TrainerConfig(zero3_whole_model_max=n - 1), 1, True, None),
+            (TrainerConfig(zero3_whole_model_max=0), 1, False, layer),
+            (TrainerConfig(zero3_whole_model_max=0, zero3_release_params=False), 2, False, None),
+            (TrainerConfig(zero_stage=2, zero3_whole_model_max=0), 2, False, None)]:
+        assert (is_whole(model, cfg, world), release_unit(model, cfg, world)) == (whole, unit), cfg
         zero = ds_config(cfg, 2, 1, release_unit=unit)["zero_optimization"]
         if unit is None:
             assert "stage3_max_reuse_distance" not in zero
@@ -57,6 +62,25 @@ def test_zero3_gathers_whole_within_the_bound_else_releases_layer_by_layer():
             assert zero["stage3_max_reuse_distance"] == 0
             assert zero["stage3_prefetch_bucket_size"] == zero["reduce_bucket_size"] == layer
             assert zero["memory_efficient_linear"] is True
+
+
+@pytest.mark.parametrize("preset, whole", [("tiny-qwen2", True), ("small-qwen2", True),
+                                            ("bench-100m", False)])
+def test_the_default_bound_gathers_small_models_whole_and_bench_100m_by_module(preset, whole):
+    """By default the quickstart's models are gathered whole (its speed) and bench-100m on 2
+    ranks module by module (ZeRO-3 below ZeRO-2's peak: benchmarks/update_zero.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.data.models import PRESETS, _model_config
+    from update.trainer import is_whole
+
+    p = PRESETS[preset]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_model_config(
+            p, p.vocab_size, SimpleNamespace(eos_token_id=1, pad_token_id=0)))
+    assert is_whole(model, TrainerConfig(), 2) is whole
+    assert is_whole(model, TrainerConfig(), 1)
 
 
 def test_gradient_checkpointing_defaults_on_with_lora_only():
