@@ -11,6 +11,7 @@ import os
 import sys
 from collections import OrderedDict
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -132,11 +133,7 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             stage3_max_live_parameters=3 * release_unit,
             # gradients reduced a layer at a time (DeepSpeed's default buffer, 5e8 elements,
             # takes a smaller model's whole gradient, and keeps those pages)
-            reduce_bucket_size=release_unit,
-            # torch's linear keeps the gathered weight for its backward (x @ W.t() saves the
-            # view W.t(), which holds W's memory after ZeRO-3 has released W): with it a
-            # forward of bench-100m ended holding every weight (+0.7 GB a rank)
-            memory_efficient_linear=True)
+            reduce_bucket_size=release_unit)  # and save_inputs_not_weights (zero_engine)
     if train:
         config["gradient_clipping"] = cfg.grad_clip
         config["zero_allow_untested_optimizer"] = True  # a client torch AdamW: no JIT op build
@@ -224,12 +221,40 @@ class EngineModule(torch.nn.Module):
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def _block_names(module: torch.nn.Module) -> set[str]:
+    """The class names of a HF model's decoder layers (its `_no_split_modules`)."""
+    return {name for m in module.modules() for name in getattr(m, "_no_split_modules", None) or []}
+
+
+def save_inputs_not_weights(model: torch.nn.Module) -> None:
+    """In place: each decoder layer's linears compute through DeepSpeed's ZeRO-3 linear, which
+    saves the weight Parameter for the backward (gathered again there), where torch's linear
+    saves the view W.t() that holds the gathered weight's memory after ZeRO-3 has released it
+    (with it a forward of bench-100m ended holding every weight: +0.7 GB a rank). Instead of
+    DeepSpeed's `memory_efficient_linear`, which replaces torch.nn.functional.linear in the
+    whole process: the colocated engine's linears and the head too, whose strided input
+    (logits_to_keep) sends its matmul to a batched copy of the weight per sample (on SmolLM2's
+    49k-vocabulary head, over half the step on CPU). The head keeps torch's linear: its
+    backward comes right after its forward."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    blocks = _block_names(model)
+    for layer in model.modules():
+        if type(layer).__name__ in blocks:
+            for m in layer.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.forward = partial(_zero3_linear, m, zero3_linear_wrap)
+
+
+def _zero3_linear(m: torch.nn.Linear, wrap, x: torch.Tensor) -> torch.Tensor:
+    return wrap(x, m.weight, m.bias)
+
+
 def gather_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
     """(module, the parameters to gather before it runs): each decoder layer whole (the HF
     models' `_no_split_modules`), and every other module with weights of its own (embeddings,
     final norm, head, a value head)."""
-    blocks = {name for m in module.modules()
-              for name in getattr(m, "_no_split_modules", None) or []}
+    blocks = _block_names(module)
 
     def walk(m: torch.nn.Module) -> list:
         if type(m).__name__ in blocks:
@@ -347,6 +372,8 @@ def zero_engine(model: torch.nn.Module, cfg: TrainerConfig, world: int, grad_acc
 
     train = optimizer is not None
     unit = release_unit(model, cfg, world) if train else None
+    if unit is not None:
+        save_inputs_not_weights(model)
     engine, *_ = deepspeed.initialize(
         model=EngineModule(model, whole=is_whole(model, cfg, world)), optimizer=optimizer,
         config=ds_config(cfg, world, grad_accum, train=train, release_unit=unit))

@@ -2,7 +2,7 @@
 DeepSpeed engines, 2 ranks over gloo with the quickstart's shared-prompt layout and a KL
 reference: the same losses, gradient norms, probe logprobs and updated weights (1e-6), for the
 policy gathered module by module (each module's weights released once used, DeepSpeed's
-memory-efficient linear) and whole (the default: one leaf module, also under gradient
+ZeRO-3 linear in the decoder layers) and whole (the default: one leaf module, also under gradient
 checkpointing); a PPO critic alike. And
 the probe and the old-logprob pass, run between training steps as rl-train runs them, leave
 ZeRO-3's record of the step's module order whole (else every step fetches on demand)."""

@@ -38,8 +38,8 @@ def _small_model():
 def test_zero3_gathers_whole_within_the_bound_or_on_one_rank_else_releases_layer_by_layer():
     """Within zero3_whole_model_max, or on one rank, a model is gathered whole (no release
     settings); above it on several ranks, or with the key 0, module by module with each module
-    released once used, prefetch and reduce buffers of one decoder layer and DeepSpeed's
-    memory-efficient linear; release off: DeepSpeed's defaults."""
+    released once used, prefetch and reduce buffers of one decoder layer; release off:
+    DeepSpeed's defaults. DeepSpeed's process-wide memory-efficient linear is never on."""
     from update.trainer import is_whole, release_unit
 
     model = _small_model()
@@ -55,13 +55,40 @@ def test_zero3_gathers_whole_within_the_bound_or_on_one_rank_else_releases_layer
             (TrainerConfig(zero_stage=2, zero3_whole_model_max=0), 2, False, None)]:
         assert (is_whole(model, cfg, world), release_unit(model, cfg, world)) == (whole, unit), cfg
         zero = ds_config(cfg, 2, 1, release_unit=unit)["zero_optimization"]
+        assert zero["memory_efficient_linear"] is False  # process-wide: save_inputs_not_weights
         if unit is None:
             assert "stage3_max_reuse_distance" not in zero
-            assert zero["memory_efficient_linear"] is False
         else:
             assert zero["stage3_max_reuse_distance"] == 0
             assert zero["stage3_prefetch_bucket_size"] == zero["reduce_bucket_size"] == layer
-            assert zero["memory_efficient_linear"] is True
+
+
+def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
+    """Released module by module, each decoder layer's linear saves the weight Parameter for
+    its backward (DeepSpeed's ZeRO-3 linear), not torch's view W.t() that would hold the
+    gathered weight; the head and torch.nn.functional.linear stay torch's; same numbers."""
+    import torch
+    import torch.nn.functional as F
+
+    from update.trainer import save_inputs_not_weights
+
+    torch.manual_seed(0)
+    model, ids = _small_model(), torch.randint(0, 100, (2, 7))
+    before = model(ids).logits
+    before.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    linear = F.linear
+    save_inputs_not_weights(model)
+    assert F.linear is linear and "forward" not in vars(model.lm_head)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    out = q_proj(torch.randn(3, 32, requires_grad=True))
+    assert type(out.grad_fn).__name__ == "LinearFunctionForZeroStage3Backward"
+    after = model(ids).logits
+    after.sum().backward()
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("preset, whole", [("tiny-qwen2", True), ("small-qwen2", True),
