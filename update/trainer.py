@@ -133,7 +133,7 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             stage3_max_live_parameters=3 * release_unit,
             # gradients reduced a layer at a time (DeepSpeed's default buffer, 5e8 elements,
             # takes a smaller model's whole gradient, and keeps those pages)
-            reduce_bucket_size=release_unit)  # and save_inputs_not_weights (zero_engine)
+            reduce_bucket_size=release_unit)  # and zero3_linears (zero_engine)
     if train:
         config["gradient_clipping"] = cfg.grad_clip
         config["zero_allow_untested_optimizer"] = True  # a client torch AdamW: no JIT op build
@@ -226,7 +226,7 @@ def _block_names(module: torch.nn.Module) -> set[str]:
     return {name for m in module.modules() for name in getattr(m, "_no_split_modules", None) or []}
 
 
-def save_inputs_not_weights(model: torch.nn.Module) -> None:
+def zero3_linears(model: torch.nn.Module) -> None:
     """In place: each decoder layer's linears compute through DeepSpeed's ZeRO-3 linear, which
     saves the weight Parameter for the backward (gathered again there), where torch's linear
     saves the view W.t() that holds the gathered weight's memory after ZeRO-3 has released it
@@ -373,7 +373,7 @@ def zero_engine(model: torch.nn.Module, cfg: TrainerConfig, world: int, grad_acc
     train = optimizer is not None
     unit = release_unit(model, cfg, world) if train else None
     if unit is not None:
-        save_inputs_not_weights(model)
+        zero3_linears(model)
     engine, *_ = deepspeed.initialize(
         model=EngineModule(model, whole=is_whole(model, cfg, world)), optimizer=optimizer,
         config=ds_config(cfg, world, grad_accum, train=train, release_unit=unit))

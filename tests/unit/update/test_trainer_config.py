@@ -55,7 +55,7 @@ def test_zero3_gathers_whole_within_the_bound_or_on_one_rank_else_releases_layer
             (TrainerConfig(zero_stage=2, zero3_whole_model_max=0), 2, False, None)]:
         assert (is_whole(model, cfg, world), release_unit(model, cfg, world)) == (whole, unit), cfg
         zero = ds_config(cfg, 2, 1, release_unit=unit)["zero_optimization"]
-        assert zero["memory_efficient_linear"] is False  # process-wide: save_inputs_not_weights
+        assert zero["memory_efficient_linear"] is False  # process-wide: zero3_linears
         if unit is None:
             assert "stage3_max_reuse_distance" not in zero
         else:
@@ -70,7 +70,7 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
     import torch
     import torch.nn.functional as F
 
-    from update.trainer import save_inputs_not_weights
+    from update.trainer import zero3_linears
 
     torch.manual_seed(0)
     model, ids = _small_model(), torch.randint(0, 100, (2, 7))
@@ -79,7 +79,7 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     linear = F.linear
-    save_inputs_not_weights(model)
+    zero3_linears(model)
     assert F.linear is linear and "forward" not in vars(model.lm_head)
     q_proj = model.model.layers[0].self_attn.q_proj
     out = q_proj(torch.randn(3, 32, requires_grad=True))
