@@ -11,7 +11,15 @@ from tests.spawn import spawn_world
 pytestmark = pytest.mark.slow
 
 PROBE = list(range(3, 40))
-STAGES = (0, 1, 2, 3)
+# ZeRO-3 gathered whole (the tiny model, as by default) and module by module (a larger model's
+# default on several ranks: each module released once used, update.trainer.zero3_linears
+# wrapping PEFT's base and adapter linears)
+STAGES = (0, 1, 2, 3, "3-modules")
+ZERO = {"3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
+# module by module reduces a shared weight's prompt and response parts apart (~1e-7 in the
+# gradient, test_zero3); Adam's first step at lr 1e-2 on B = 0 moves each weight by ~lr * g/|g|,
+# so such a gradient bit shows as up to ~3e-6 in a weight (the same without zero3_linears)
+WEIGHT_TOL = {"3-modules": 1e-5}
 
 
 def _logprobs(model, ids):
@@ -37,7 +45,7 @@ def _run(rank: int, world_size: int, port: int, path: str, ckpt: str, out) -> No
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     results = {}
     for stage in STAGES:
-        cfg = TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=stage,
+        cfg = TrainerConfig(lr=1e-2, micro_batch_size=12, **ZERO.get(stage, dict(zero_stage=stage)),
                             lora=LoraConfig(rank=4, alpha=8.0))
         trainer = PolicyTrainer(path, cfg, loss_cfg, grad_accum=1)
         before = {k: v.clone() for k, v in trainer._whole().items()}
@@ -117,7 +125,8 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path):
         for stage in STAGES:  # every stage as ZeRO-2
             for k in ("before", "after"):
                 for n in r[2][k]:
-                    assert (r[2][k][n] - r[stage][k][n]).abs().max() < 1e-6, (stage, k, n)
+                    gap = (r[2][k][n] - r[stage][k][n]).abs().max()
+                    assert gap < WEIGHT_TOL.get(stage, 1e-6), (stage, k, n, gap)
             assert abs(r[2]["metrics"][0]["loss/policy"]
                        - r[stage]["metrics"][0]["loss/policy"]) < 1e-6, stage
 
