@@ -74,6 +74,10 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
 
     torch.manual_seed(0)
     model, ids = _small_model(), torch.randint(0, 100, (2, 7))
+    with torch.no_grad():  # HF starts biases at 0: nonzero ones, so that a lost bias shows
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_()
     before = model(ids).logits
     before.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
