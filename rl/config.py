@@ -43,19 +43,51 @@ def _unset_section_keys(parent: str) -> str:
         kind) else ""
 
 
-def _explain(e, schema, path: str | None, overrides=()) -> str:
+def _set_at(layer, key: str, prefix: str = "") -> str | None:
+    """The dotted path (list items as [i]) where a layer (a recipe or the overrides) sets `key`,
+    searched depth first; None when it does not."""
+    if isinstance(layer, dict):
+        items = layer.items()
+    elif isinstance(layer, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(layer))
+    else:
+        return None
+    for name, value in items:
+        path = f"{prefix}{name}" if str(name).startswith("[") or not prefix else f"{prefix}.{name}"
+        if name == key:
+            return path
+        found = _set_at(value, key, path)
+        if found:
+            return found
+    return None
+
+
+def _explain(e, schema, path: str | None, overrides=(), layers=()) -> str:
     """One line: the key, where it was set, what was wrong, and what is allowed there."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError
 
     key = getattr(e, "full_key", None) or "?"
+    if isinstance(e, ConfigKeyError) and "." not in key and dataclasses.is_dataclass(
+            getattr(e, "object_type", None)) and e.object_type is not Config:
+        # an item of a list of sections (reward.functions[0]) reports its key alone: find
+        # where a layer set it, overrides first (they merge last)
+        for layer in reversed(layers):
+            found = _set_at(OmegaConf.to_container(layer, resolve=False), key)
+            if found:
+                key = found
+                break
     given = _override_of(key, overrides)
     where = f" (in the override {given})" if given else f" (in {path})" if path else ""
     first = str(e).splitlines()[0]
     if isinstance(e, ConfigKeyError):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
-        section = OmegaConf.select(schema, parent) if parent else schema
-        known = _known_keys(section) if section is not None else _unset_section_keys(parent)
+        kind = getattr(e, "object_type", None)
+        if dataclasses.is_dataclass(kind) and kind is not Config:  # the section the key is in
+            known = ", ".join(f.name for f in dataclasses.fields(kind))
+        else:
+            section = OmegaConf.select(schema, parent) if parent else schema
+            known = _known_keys(section) if section is not None else _unset_section_keys(parent)
         return (f"config key '{key}'{where} is not known: {first}; known keys"
                 f"{' in ' + parent if parent else ''}: {known}")
     default = OmegaConf.select(schema, key, default=None)
@@ -93,7 +125,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         merged = OmegaConf.merge(schema, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(_explain(e, schema, path, overrides)) from None
+        raise ConfigError(_explain(e, schema, path, overrides, layers)) from None
     recipe = layers[0] if path is not None else None
     for key, value, bound in out_of_bounds(cfg):
         want = "a finite number" if bound == "any" else f"a value {bound}"
@@ -174,6 +206,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"rollout.prompts_per_step * rollout.n = {samples} samples do not split evenly over "
             f"ray.num_workers * algorithm.num_mini_batches = {split}; change one so it divides")
+    ro = cfg.rollout
+    if ro.max_new_tokens >= ro.max_model_len:
+        raise ConfigError(f"rollout.max_new_tokens={ro.max_new_tokens} leaves no room for a prompt "
+                          f"in rollout.max_model_len={ro.max_model_len} (prompt and response "
+                          f"together): lower rollout.max_new_tokens below {ro.max_model_len}, or "
+                          f"raise rollout.max_model_len to {ro.max_new_tokens} plus the longest "
+                          f"prompt")
     algo = cfg.algorithm
     if algo.advantage == "gae" and not algo.critic:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.critic=true")
@@ -194,7 +233,6 @@ def validate(cfg: Config) -> None:
     if cfg.sync.checksum not in CHECKSUMS:
         raise ConfigError(f"sync.checksum={cfg.sync.checksum!r} is not known; use one of: "
                           f"{', '.join(CHECKSUMS)}")
-    check_colocated_tp(cfg)
     if cfg.rollout.cpu_linear not in CPU_LINEAR:
         raise ConfigError(f"rollout.cpu_linear={cfg.rollout.cpu_linear!r} is not known; use one "
                           f"of: {', '.join(CPU_LINEAR)}")
@@ -219,15 +257,24 @@ def validate(cfg: Config) -> None:
 
 
 def check_colocated_tp(cfg: Config) -> None:
-    """Colocated, a TP engine's ranks take the cores of tp workers (rl.run.colocated_worker)."""
+    """Colocated, a TP engine's ranks take the cores of tp workers (rl.run.colocated_worker).
+    Checked by rl.preflight after the model's shape, which rules out more sizes."""
     tp, r = cfg.rollout.tensor_parallel_size, cfg.ray
     if tp == 1 or cfg.placement != "colocated":
         return
     key = f"rollout.tensor_parallel_size={tp}"
     if r.num_workers % tp:
+        # the fix must pass the next check too, the samples' even split over the workers (and
+        # mini-batches): a multiple of tp does only if tp itself does
+        samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+        split = tp * cfg.algorithm.num_mini_batches
+        fix = (f"set ray.num_workers={tp}, or use placement=disaggregated" if samples % split == 0
+               else f"use placement=disaggregated (no multiple of {tp} workers splits the "
+                    f"{samples} samples of a step into algorithm.num_mini_batches="
+                    f"{cfg.algorithm.num_mini_batches})")
         raise ConfigError(f"{key}: colocated, each engine's {tp} TP ranks take the cores of {tp} "
                           f"workers; ray.num_workers={r.num_workers} is not a multiple of {tp}: "
-                          f"set ray.num_workers to one, or use placement=disaggregated")
+                          f"{fix}")
     if r.num_gpus_per_worker:
         raise ConfigError(f"{key}: colocated TP engines run on CPU (an engine's process sees its "
                           f"own worker's GPU only); on GPUs use placement=disaggregated with "

@@ -14,7 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
-from rl.config import ConfigError
+from rl.config import ConfigError, check_colocated_tp
 from rl.schema import Config
 
 
@@ -118,38 +118,57 @@ def engine_cores(cfg: Config, num_cpus: int | None = None) -> int:
     return max(1, total // r.num_rollout_workers)
 
 
+def model_tp_spec(path: str):
+    """(model_type, query heads, tp -> TPSpec) of a Qwen2/Llama-shaped model path, from its
+    config alone; (None, 0, None) for a built-in built at start (GGUF: vLLM checks it then)."""
+    from rl.data.models import PRESETS
+    from weight_sync.resharding import TPSpec
+
+    name = path.removeprefix("builtin:")
+    if path.startswith("builtin:") and name in PRESETS:
+        p = PRESETS[name]
+        return p.arch, p.num_heads, lambda t: TPSpec(t, p.num_heads, p.num_kv_heads,
+                                                     p.hidden_size // p.num_heads,
+                                                     p.intermediate_size, p.vocab_size)
+    if path.startswith("builtin:"):
+        return None, 0, None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return (config.model_type, config.num_attention_heads,
+            lambda t: TPSpec.from_hf_config(config, t))
+
+
+def _constructs(spec, tp: int) -> bool:
+    try:
+        spec(tp)
+    except ValueError:
+        return False
+    return True
+
+
 def check_tensor_parallel(cfg: Config, num_cpus: int | None = None) -> None:
-    """rollout.tensor_parallel_size against the model's shape (heads, KV heads, intermediate
-    size and padded vocab must divide it; a Qwen2/Llama model) and, on CPU, the engines' cores
-    (a core per rank)."""
+    """rollout.tensor_parallel_size against the model's shape first (heads, KV heads,
+    intermediate size and padded vocab must divide it; a Qwen2/Llama model), then the workers a
+    colocated engine takes and, on CPU, the engines' cores (a core per rank)."""
     tp = cfg.rollout.tensor_parallel_size
     if tp == 1:
         return
-    from rl.data.models import PRESETS
     from weight_sync.direct import DirectLoad
-    from weight_sync.resharding import TPSpec
 
     key, path = f"rollout.tensor_parallel_size={tp}", cfg.model.path
-    name = path.removeprefix("builtin:")
+    model_type, heads, spec = model_tp_spec(path)
     try:
-        if path.startswith("builtin:") and name in PRESETS:
-            p = PRESETS[name]
-            model_type = p.arch
-            TPSpec(tp, p.num_heads, p.num_kv_heads, p.hidden_size // p.num_heads,
-                   p.intermediate_size, p.vocab_size)
-        elif path.startswith("builtin:"):
-            model_type = None  # a model built at start (GGUF): vLLM checks it then
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(path)
-            model_type = config.model_type
-            TPSpec.from_hf_config(config, tp)
+        if spec is not None:
+            spec(tp)
     except ValueError as e:
-        raise ConfigError(f"{key} does not fit model.path={path!r}: {e}") from None
+        fits = ", ".join(str(t) for t in range(1, heads + 1) if _constructs(spec, t))
+        raise ConfigError(f"{key} does not fit model.path={path!r}: {e}; sizes that fit this "
+                          f"model: {fits}") from None
     if model_type is not None and not DirectLoad.supports(model_type):
         raise ConfigError(f"{key}: syncs into TP engines know the Qwen2 and Llama families, not "
                           f"model_type {model_type!r}; use tensor_parallel_size=1")
+    check_colocated_tp(cfg)
     if cfg.placement == "disaggregated" and not cfg.ray.num_gpus_per_rollout_worker:
         cores = engine_cores(cfg, num_cpus)  # colocated: a worker's cores per rank
         if cores < tp:

@@ -173,8 +173,14 @@ class PromptSet:
             print(f"data: skipped {self.num_filtered} of {len(rows)} prompts longer than "
                   f"{limit} tokens (rollout.max_model_len - rollout.max_new_tokens)", flush=True)
         if not kept:
-            raise ValueError(f"every prompt in '{cfg.train_path}' is longer than {limit} tokens; "
-                             f"raise rollout.max_model_len or lower rollout.max_new_tokens")
+            shortest = min(len(p) for _, p in rendered)
+            room = rollout.max_model_len - shortest  # what a response may take beside it
+            lower = f" or lower rollout.max_new_tokens to {room}" if room >= 1 else ""
+            raise ValueError(
+                f"every prompt in '{cfg.train_path}' is longer than rollout.max_model_len="
+                f"{rollout.max_model_len} leaves beside rollout.max_new_tokens="
+                f"{rollout.max_new_tokens} (the shortest has {shortest} tokens): raise "
+                f"rollout.max_model_len to {shortest + rollout.max_new_tokens}{lower}")
         self.rows = [r for r, _ in kept]
         self.prompt_ids = [p for _, p in kept]
         self.constraints = [output_constraint(r, rollout, i) for i, r in enumerate(self.rows)]

@@ -66,6 +66,28 @@ def test_an_override_beside_a_recipe_is_named_as_the_override(tmp_path):
         load_config(str(recipe), ["rollout.nn=3", "rollout.n=4"])
 
 
+def test_an_unknown_key_in_a_list_item_names_its_path_its_section_and_its_source(tmp_path):
+    override = "reward.functions=[{name: exact_answer, wieght: 2}]"
+    with pytest.raises(ConfigError, match=r"'reward.functions\[0\].wieght' \(in the override "
+                       r"reward.functions=\[\{name: exact_answer, wieght: 2\}\]\) is not known.*"
+                       r"known keys in reward.functions\[0\]: name, weight, alias, args$"):
+        load_config("recipes/quickstart.yaml", [override])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("reward:\n  functions:\n  - name: exact_answer\n  - {name: x, wieght: 2}\n")
+    with pytest.raises(ConfigError, match=r"'reward.functions\[1\].wieght' \(in .*r.yaml\)"):
+        load_config(str(recipe))
+    load_config("recipes/quickstart.yaml", [override.replace("wieght", "weight")])  # the fix
+
+
+def test_max_new_tokens_beyond_max_model_len_names_both_keys():
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens=600 leaves no room for a "
+                                          r"prompt in rollout.max_model_len=512 .*lower "
+                                          r"rollout.max_new_tokens below 512, or raise "
+                                          r"rollout.max_model_len to 600 plus the longest prompt"):
+        load_config("recipes/quickstart.yaml", ["rollout.max_new_tokens=600"])
+    load_config("recipes/quickstart.yaml", ["rollout.max_new_tokens=511"])  # the first fix
+
+
 def test_grad_accum_steps():
     # 16 prompts x 8 samples / 2 ranks = 64 per rank; micro 24 -> 3 micro-batches
     cfg = load_config(None, ["rollout.prompts_per_step=16", "rollout.n=8", "ray.num_workers=2",

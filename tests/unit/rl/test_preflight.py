@@ -47,10 +47,35 @@ def test_tensor_parallel_size_must_fit_the_model_and_the_engines_cores():
                            ["ray.num_rollout_workers=1", *overrides])
 
     check_tensor_parallel(cfg("rollout.tensor_parallel_size=2"), num_cpus=2)  # 4 heads, 2 KV
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not fit .*num_heads=4"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not fit .*num_heads=4.*"
+                                          r"sizes that fit this model: 1, 2, 4$"):
         check_tensor_parallel(cfg("rollout.tensor_parallel_size=3"), num_cpus=4)
     with pytest.raises(ConfigError, match=r"gets 1 core\(s\) here, which fits TP <= 1"):
         check_tensor_parallel(cfg("rollout.tensor_parallel_size=2"), num_cpus=1)
     with pytest.raises(ConfigError, match=r"each of the 2 rollout engine"):  # 2 engines, 2 cores
         check_tensor_parallel(cfg("rollout.tensor_parallel_size=2",
                                   "ray.num_rollout_workers=2"), num_cpus=2)
+
+
+def test_colocated_tensor_parallel_checks_the_model_first_then_names_workers_that_split():
+    """The model's heads come first (rollout.tensor_parallel_size=3 on 4 heads), and the worker
+    count a refusal names passes the next check, the samples' split (256 samples here)."""
+    import re
+
+    from rl.config import ConfigError
+    from rl.preflight import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match=r"does not fit .*num_heads=4"):
+        check_tensor_parallel(load_config("recipes/quickstart.yaml",
+                                          ["rollout.tensor_parallel_size=3"]), num_cpus=8)
+    tp4 = ["rollout.tensor_parallel_size=4", "ray.num_workers=2"]
+    with pytest.raises(ConfigError, match=r"take the cores of 4 workers") as e:
+        check_tensor_parallel(load_config("recipes/quickstart.yaml", tp4), num_cpus=8)
+    fix = re.search(r"set (ray.num_workers=\d+)", str(e.value))[1]
+    check_tensor_parallel(load_config("recipes/quickstart.yaml", tp4 + [fix]), num_cpus=8)
+    six = ["rollout.n=3", "rollout.prompts_per_step=2"]  # 6 samples: no 4 workers split them
+    with pytest.raises(ConfigError, match=r"ray.num_workers=2 is not a multiple of 4: use "
+                                          r"placement=disaggregated \(no multiple of 4 workers"):
+        check_tensor_parallel(load_config("recipes/quickstart.yaml", tp4 + six), num_cpus=8)
+    check_tensor_parallel(load_config("recipes/quickstart.yaml", tp4 + six + [
+        "placement=disaggregated", "ray.num_rollout_workers=1"]), num_cpus=8)

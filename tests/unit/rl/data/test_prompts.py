@@ -26,9 +26,19 @@ def test_overlong_prompts_are_filtered_with_a_count(tok, capsys):
 
 
 def test_all_prompts_too_long_is_an_error_that_says_the_fix(tok):
-    with pytest.raises(ValueError, match="raise rollout.max_model_len"):
-        PromptSet([{"prompt": "long " * 200}], tok, DataConfig(), 0,
-                  RolloutConfig(max_model_len=64, max_new_tokens=16))
+    import re
+
+    rows = [{"prompt": "long " * 200}, {"prompt": "long " * 50}]
+    with pytest.raises(ValueError, match=r"max_model_len=256 leaves beside rollout.max_new_tokens="
+                                         r"200 \(the shortest has \d+ tokens\)") as e:
+        PromptSet(rows, tok, DataConfig(), 0, RolloutConfig(max_model_len=256, max_new_tokens=200))
+    raise_to, lower_to = map(int, re.search(r"max_model_len to (\d+) or lower "
+                                            r"rollout.max_new_tokens to (\d+)", str(e.value)).groups())
+    # each fix it names, applied alone, keeps the shortest prompt
+    assert PromptSet(rows, tok, DataConfig(), 0, RolloutConfig(
+        max_model_len=raise_to, max_new_tokens=200)).num_filtered == 1
+    assert PromptSet(rows, tok, DataConfig(), 0, RolloutConfig(
+        max_model_len=256, max_new_tokens=lower_to)).num_filtered == 1
 
 
 def test_missing_prompt_field_names_the_row(tok):
