@@ -1,7 +1,7 @@
 """The same short GRPO run, colocated and disaggregated (same seed): the rollouts, metrics and
-final model agree, and every sample records the policy version that generated it."""
+final model agree bit for bit (the placements move the weights differently, the trainers compute
+alike), and every sample records the policy version that generated it."""
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -48,9 +48,8 @@ def test_metrics_match_the_colocated_run(runs):
     colocated, disaggregated = colocated[1:], disaggregated[1:]
     assert len(colocated) == len(disaggregated) == 3
     for a, b in zip(colocated, disaggregated):
-        for key in COMPARED:
-            assert math.isclose(a[key], b[key], rel_tol=1e-3, abs_tol=1e-4), (a["step"], key,
-                                                                               a[key], b[key])
+        for key in COMPARED:  # bit for bit: the same trainer kernels on the same batches
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
         assert b["sync/logprob_max_abs_diff"] <= 1e-3
         assert b["rollout/policy_version"] == a["rollout/policy_version"] == a["step"] - 1
         assert b["rollout/staleness"] == 0.0 and b["sync/retries"] == 0.0
@@ -66,10 +65,10 @@ def test_rollouts_match_and_carry_their_policy_version(runs):
 
 
 def test_final_models_match(runs):
+    import torch
     from safetensors.torch import load_file
 
     a, b = (load_file(runs[p] / "final_model" / "model.safetensors")
             for p in ("colocated", "disaggregated"))
     assert a.keys() == b.keys()
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst < 1e-4, worst
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

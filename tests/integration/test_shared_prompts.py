@@ -54,14 +54,14 @@ def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
     out[rank] = {
         "shared_on": on1, "prompt_rows": int(collate(samples, 0, True)["prompt_ids"].shape[0]),
         "logprob_diff": max(float(((prep1[k] - prep0[k]).abs() * mask).max()) for k in prep0),
+        "magnitude": max(float((prep0[k].abs() * mask).max()) for k in prep0),
         "metrics": {k: (m0[k], m1[k]) for k in m0},
         "update_diff": _update_diff(w0, w1, _initial(path)) if w0 else None}
 
 
 def _update_diff(w0: dict, w1: dict, initial: dict) -> tuple[float, float]:
-    """(|update 0|, |update 1 - update 0| / |update 0|) over all weights, L2. Adam's first step
-    is lr * g / (|g| + eps): a gradient of ~1e-9 that rounding moves by a few percent moves
-    its weight by ~1e-4 at lr 1e-2, so the updates are compared as whole vectors."""
+    """(|update 0|, |update 1 - update 0| / |update 0|) over all weights, L2: Adam turns a
+    rounding of a gradient near zero into a step of up to lr (tests/numerics.adam_update)."""
     import torch
 
     d0 = torch.cat([(w0[k] - initial[k]).flatten() for k in initial if k in w0])
@@ -77,18 +77,25 @@ def _initial(path: str) -> dict:
 
 @pytest.mark.integration
 def test_shared_prompt_update_equals_the_full_layout_on_two_zero3_ranks(tmp_path):
+    from transformers import AutoConfig
+
     from rl.data.models import build_tiny_model
+    from tests.numerics import adam_update, depth, rounding, width
 
     path = build_tiny_model("tiny-qwen2", out_dir=tmp_path / "model")  # once, before the ranks
     out = spawn_world(_compare, 2, str(path))
+    config = AutoConfig.from_pretrained(path)
     for rank in (0, 1):
         r = out[rank]
         assert r["shared_on"], "the start-up check turned prompt sharing off on a Qwen2 model"
         assert r["prompt_rows"] == 3  # 12 samples, 3 prompts: each prompt runs once
-        assert r["logprob_diff"] <= 1e-5, r["logprob_diff"]  # old and reference logprobs
+        # old and reference logprobs: other attention shapes, the same values within rounding
+        tol = rounding(r["magnitude"], depth(config), width(config))
+        assert r["logprob_diff"] <= tol, (r["logprob_diff"], tol)
         for key in ("loss/policy", "loss/kl", "kl/mean", "mismatch/kl", "grad_norm"):
-            full, shared = r["metrics"][key]
-            assert shared == pytest.approx(full, abs=1e-6), (rank, key, full, shared)
+            full, shared = r["metrics"][key]  # each from logprobs of that magnitude (or its own)
+            bound = rounding(max(r["magnitude"], abs(full)), depth(config), width(config))
+            assert abs(shared - full) <= bound, (rank, key, full, shared)
     moved, relative = out[0]["update_diff"]
     assert moved > 1e-2, "the step must change the weights for the comparison to mean much"
-    assert relative <= 1e-3, relative
+    assert relative <= adam_update(depth(config), width(config)), relative

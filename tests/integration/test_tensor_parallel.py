@@ -111,19 +111,32 @@ def observed():
     return json.loads((ENGINES.dir / "out.json").read_text())
 
 
+def rounding_of(*logprobs) -> float:
+    """tests/numerics.rounding for two computations of these logprobs by the test's model (TP 1
+    and TP 2 engines, vLLM and transformers: other kernels, other reduction splits)."""
+    from transformers import AutoConfig
+
+    from tests.numerics import depth, rounding, width
+
+    config = AutoConfig.from_pretrained(ENGINES.dir / "model")
+    magnitude = max(abs(x) for lps in logprobs for row in lps for x in row)
+    return rounding(magnitude, depth(config), width(config))
+
+
 @pytest.mark.integration
 def test_tp2_engine_equals_tp1_and_each_rank_takes_its_slice(observed):
     (tokens1, lp1), (tokens2, lp2) = observed["before"]
     assert observed["cores"] == "0|1"  # a rank per core
     assert tokens2 == tokens1 and all(len(t) == MAX_NEW for t in tokens1)
-    assert max_diff(lp1, lp2) <= 1e-5
+    assert max_diff(lp1, lp2) <= rounding_of(lp1, lp2)
     # each rank holds its slice only: about half the weights (the norms are replicated)
     assert all(b <= 0.55 * observed["tp1_bytes"] for b in observed["bytes_per_rank"])
     # after a sync of new weights, written as slices into the ranks' shared memory
     (tokens1, lp1), (tokens2, lp2) = observed["after"]
     assert tokens2 == tokens1
-    assert max_diff(lp1, lp2) <= 1e-5
-    assert max_diff(lp2, observed["hf_after"]) <= 1e-4  # the weights are the trainer's
+    assert max_diff(lp1, lp2) <= rounding_of(lp1, lp2)
+    hf = observed["hf_after"]
+    assert max_diff(lp2, hf) <= rounding_of(lp2, hf)  # the weights are the trainer's
     assert max_diff(lp1, observed["before"][0][1]) > 1e-2  # and they did change
     assert observed["written"][0] == observed["written"][1]
 

@@ -1,6 +1,7 @@
 """ZeRO-3 as the update runs it (update.trainer.EngineModule, `scoring`) against ZeRO-2, on real
 DeepSpeed engines, 2 ranks over gloo with the quickstart's shared-prompt layout and a KL
-reference: the same losses, gradient norms, probe logprobs and updated weights (1e-6), for the
+reference: the same losses, gradient norms, probe logprobs and updates, within rounding
+(tests/numerics.py: the partitioned reductions round the gradients otherwise), for the
 policy gathered module by module (each module's weights released once used, DeepSpeed's
 ZeRO-3 linear in the decoder layers) and whole (the default: one leaf module, also under gradient
 checkpointing); a PPO critic alike. And
@@ -25,10 +26,6 @@ CONFIGS = {"zero2": dict(zero_stage=2), "zero3": MODULES,
 PAIRS = [("zero2", "zero3"), ("zero2", "zero3_whole"),
          ("zero2_checkpointing", "zero3_whole_checkpointing"),
          ("zero2_checkpointing", "zero3_checkpointing")]
-# module by module, ZeRO-3 reduces the gradient of a weight used twice in parts (~1e-7 a step
-# from ZeRO-2's sum); under checkpointing the four steps' weights end 1.01e-6 apart, as much with
-# DeepSpeed's defaults (zero3_release_params false) as with the release
-WEIGHTS_TOL = {"zero3_checkpointing": 2e-6}
 PROBE = list(range(3, 40))
 
 
@@ -83,36 +80,54 @@ def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
     out[rank] = results
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max(abs(a[k] - b[k]) for k in a)
+def _within(a: dict, b: dict, tol) -> bool:
+    """Every metric of a within tol(magnitude) of b's: each is computed from token logprobs and
+    ratios of such, of at most the probe's magnitude (grad_norm: its own)."""
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol(max(abs(a[k]), 1.0)) for k in a)
 
 
 @pytest.mark.integration
 def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
     from rl.data.models import build_tiny_model
+    from tests.numerics import adam_update, depth, rounding, width
 
     # before the ranks join their group: transformers writes model files on rank 0 only
-    out = spawn_world(_run, 2, str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m")))
+    path = build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m")
+    out = spawn_world(_run, 2, str(path))
+    config, initial = AutoConfig.from_pretrained(path), load_file(f"{path}/model.safetensors")
+
+    def tol(magnitude, steps=0):
+        return rounding(magnitude, depth(config, steps), width(config))
+
     for rank, results in out.items():
         # the policy gathered whole where asked, the frozen reference as the policy
         assert [results[c]["whole"] for c in CONFIGS] == [False, False, True, False, True, False]
         assert [results[c]["ref_whole"] for c in CONFIGS] == [False, False, True, False, True,
                                                               False]
+        big = max(1.0, max(abs(x) for p in results["zero2"]["probes"] for x in p))
         for base, name in PAIRS:
             z2, z3 = results[base], results[name]
-            for m2, m3 in zip(z2["metrics"], z3["metrics"], strict=True):
-                assert m2.keys() == m3.keys() and _max_diff(m2, m3) <= 1e-6, (name, m2, m3)
-            for p2, p3 in zip(z2["probes"], z3["probes"], strict=True):
-                assert max(abs(x - y) for x, y in zip(p2, p3)) <= 1e-6, name
+            for step, (m2, m3) in enumerate(zip(z2["metrics"], z3["metrics"], strict=True)):
+                assert _within(m2, m3, lambda m: tol(max(m, big), step)), (name, m2, m3)
+            for step, (p2, p3) in enumerate(zip(z2["probes"], z3["probes"], strict=True)):
+                assert max(abs(x - y) for x, y in zip(p2, p3)) <= tol(big, step), name
             # the probe outside ZeRO-3's hooks reads what ZeRO-3's own forward reads
-            assert max(abs(x - y) for x, y in zip(z3["probes"][-1], z3["engine_probe"])) <= 1e-6
+            assert max(abs(x - y) for x, y in zip(z3["probes"][-1], z3["engine_probe"])) <= tol(
+                big)
             # the probe before step 1, the probes after each step and the old-logprob pass of
             # step 3 all left the record of the training step whole from step 2 on
             assert z3["traces"][1:] == [True] * 3, (name, z3["traces"])
             (c2, v2), (c3, v3) = z2["critic"], z3["critic"]
-            assert _max_diff(c2, c3) <= 1e-6 and float((v2 - v3).abs().max()) <= 1e-6, name
-            if rank == 0:
+            assert _within(c2, c3, lambda m: tol(max(m, big))), name
+            assert float((v2 - v3).abs().max()) <= tol(float(v2.abs().max()), 1), name
+            if rank == 0:  # the updates, as whole vectors (a max over weights bounds nothing)
                 w2, w3 = z2["weights"], z3["weights"]
                 assert w2.keys() == w3.keys()
-                moved = max(float((w2[k] - w3[k]).abs().max()) for k in w2)
-                assert moved <= WEIGHTS_TOL.get(name, 1e-6), (name, moved)
+                u2 = torch.cat([(w2[k] - initial[k]).flatten() for k in w2])
+                u3 = torch.cat([(w3[k] - initial[k]).flatten() for k in w2])
+                relative = float((u3 - u2).norm() / u2.norm())
+                assert relative <= adam_update(depth(config), width(config)), (name, relative)

@@ -70,6 +70,7 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
     import torch
     import torch.nn.functional as F
 
+    from tests.numerics import depth, rounding, width
     from update.trainer import zero3_linears
 
     torch.manual_seed(0)
@@ -90,9 +91,12 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
     assert type(out.grad_fn).__name__ == "LinearFunctionForZeroStage3Backward"
     after = model(ids).logits
     after.sum().backward()
-    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    # DeepSpeed's linear (a matmul, then the bias) rounds otherwise than torch's addmm
+    layers, terms = depth(model.config), width(model.config)
+    assert float((after - before).abs().max()) <= rounding(float(before.abs().max()), layers, terms)
+    for n, p in model.named_parameters():  # the backward: the forward's depth again
+        bound = rounding(float(grads[n].abs().max()), 2 * layers, terms)
+        assert float((p.grad - grads[n]).abs().max()) <= bound, n
 
 
 @pytest.mark.parametrize("preset, whole", [("tiny-qwen2", True), ("small-qwen2", True),
