@@ -1,13 +1,13 @@
 """Every recipe runs 2 RL steps end to end on the real engines (tiny model, shared Ray, actors
 kept between recipes of the same placement shape)."""
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from rl.config import load_config
 from rl.run.controller import Controller
+from tests.integration.recipe_checks import check_step_metrics
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -20,9 +20,12 @@ SMALL = ["trainer.total_steps=2", "rollout.prompts_per_step=8", "rollout.n=4",
 # Recipes on a real pretrained model take minutes even for 2 steps (6.4 min for SmolLM2-135M on
 # 2 cores): benchmarks/smollm2_before_after.py runs them; tests/unit/rewards checks their data.
 REAL_MODEL = {"smollm2_chain_sum.yaml", "smollm2_tools.yaml"}
-# Recipes another integration test runs end to end already: quickstart_lora's 4-step runs and
-# resume (test_resume.py, test_lora_run_killed_and_resumed_is_bit_exact).
-RUN_ELSEWHERE = {"quickstart_lora.yaml"}
+# Recipes another integration test runs end to end already, with the same step checks
+# (recipe_checks.check_step_metrics): quickstart_lora's and ppo's killed and resumed runs
+# (test_resume.py), quickstart's CLI run (test_rl_train.py), quickstart_one_step's hurt runs
+# (test_async_faults.py; fully_async's too, but its final evaluation is checked here)
+RUN_ELSEWHERE = {"quickstart_lora.yaml", "ppo.yaml", "quickstart.yaml",
+                 "quickstart_one_step.yaml"}
 RECIPES = [r for r in RECIPES if r not in REAL_MODEL | RUN_ELSEWHERE]
 
 
@@ -39,14 +42,4 @@ def test_recipe_runs_two_steps(recipe, placements, tmp_path):
         assert "eval/greedy_accuracy" in lines[-1]
         lines = lines[1:]
     assert [m["step"] for m in lines] == [1, 2]
-    for m in lines:
-        bad = {k: v for k, v in m.items() if not math.isfinite(v)}
-        assert not bad, bad
-        assert m["sync/logprob_max_abs_diff"] <= m["sync/tolerance"]
-        assert "mismatch/kl" in m and "mismatch/max_abs_diff" in m
-        if cfg.algorithm.loss.kl_coef > 0:
-            assert "kl/mean" in m
-        if cfg.algorithm.critic:
-            assert "loss/value" in m and "values/mean" in m
-        if cfg.algorithm.dynamic_sampling:
-            assert m["dynamic/rounds"] >= 1
+    check_step_metrics(cfg, lines)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from rl.config import load_config
 from tests.early import early
+from tests.integration.recipe_checks import check_step_metrics
 from tests.integration.test_resume import (descendants, held, kill_driver, kill_held_on_sigterm,
                                            lines, wait_held)
 
@@ -91,6 +93,7 @@ def test_dead_trainer_killed_driver_and_dead_engine_train_no_sample_twice():
 
 def check_promises(run: Path, bound: int) -> None:
     metrics = lines(run)
+    check_step_metrics(load_config(str(run / "config.yaml")), metrics)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # each step once
     assert [m["sync/policy_version"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["rollout/staleness_max"] <= bound for m in metrics), metrics

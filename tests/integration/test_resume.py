@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from rl.config import load_config
 from tests.early import early
+from tests.integration.recipe_checks import check_step_metrics
 from tests.procs import processes, with_descendants
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
@@ -200,6 +202,7 @@ def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact():
     assert "rollout engines: 1 x vLLM at TP 2" in (RUNS.dir / "whole.out").read_text()
     whole = lines(RUNS.dir / "whole")
     assert [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
+    check_step_metrics(load_config(str(RUNS.dir / "whole" / "config.yaml")), whole)
     assert max(m["dynamic/rounds"] for m in whole) > 1, whole  # it did sample again
     assert all("loss/value" in m and "values/mean" in m for m in whole)
     again = lines(RUNS.dir / "r")

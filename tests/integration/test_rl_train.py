@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rl.config import load_config
 from tests.early import early
+from tests.integration.recipe_checks import check_step_metrics
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -69,6 +71,7 @@ def test_metrics_have_every_key_and_finite_values(finished_run):
     assert "eval/greedy_accuracy" in lines[0] and "reward/mean" not in lines[0]
     assert ["eval/pass@2" in m for m in lines] == [True, False, True, True]
     lines = lines[1:]
+    check_step_metrics(load_config(str(run_dir / "config.yaml")), lines)
     for m in lines:
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing
