@@ -127,5 +127,59 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def plan_main(argv: list[str] | None = None) -> int:
+    """`rl-plan RECIPE [key=value ...] [--hardware H] [--gpus-per-node G] [--nodes M] [--json]`:
+    each device's memory and a step's time, from the model's config.json alone."""
+    from rl.plan.hardware import HARDWARE_NAMES
+
+    p = argparse.ArgumentParser(
+        prog="rl-plan", description="Will a recipe fit, and how fast: memory per device and a "
+                                    "step's time, from the model's config.json (no weights).",
+        epilog="example: rl-plan recipes/quickstart.yaml model.path=my-7b/ --hardware h100-80g "
+               "--gpus-per-node 8")
+    p.add_argument("recipe", help="a YAML recipe (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, as for rl-train")
+    p.add_argument("--hardware", default="cpu", metavar="H",
+                   help=f"one of {', '.join(HARDWARE_NAMES)} (cpu: this machine, measured) or a "
+                        f"YAML file of rl.plan.hardware.Hardware's fields")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
+    p.add_argument("--nodes", type=int, default=1, metavar="M")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="P",
+                   help="a prompt's tokens (default: the data's longest prompt, estimated from "
+                        "its characters)")
+    p.add_argument("--acceptance", type=float, default=None, metavar="A",
+                   help="speculative decoding's acceptance rate (rollout/spec_accept_rate of a "
+                        "run): what it gains on this hardware")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = p.parse_args(argv)
+    from rl.config import ConfigError, load_config
+
+    try:
+        from rl.plan.run import estimated_prompt_tokens, plan_for
+
+        overrides = list(args.overrides)
+        cfg = load_config(args.recipe, overrides)
+        prompt_tokens = args.prompt_tokens
+        if prompt_tokens is None:
+            from rl.run.rewarding import load_rows
+
+            prompt_tokens = estimated_prompt_tokens(cfg, load_rows(cfg)[0])
+        plan, fix = plan_for(cfg, overrides, args.hardware, args.gpus_per_node, args.nodes,
+                             prompt_tokens, args.acceptance)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"rl-plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(dict(plan.to_dict(), fix=fix and {k: str(v) for k, v in fix.items()}),
+                         indent=1, default=str))
+    else:
+        from rl.plan.report import render
+
+        print(render(plan, fix))
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())

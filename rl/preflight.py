@@ -192,6 +192,46 @@ def check_env(cfg: Config) -> None:
         raise ConfigError(f"{where} (env.name={cfg.env.name!r}): {e}") from None
 
 
+def local_hardware(cfg: Config):
+    """What this machine offers the run's workers, or None when they run elsewhere (a Ray
+    cluster) or on GPUs this machine does not have: CPU workers its RAM (all of it: what other
+    programs hold now is not the plan's to judge), GPU workers each GPU's memory."""
+    from rl.plan.hardware import Hardware, meminfo
+    from rl.plan.run import local_gpu
+
+    if cfg.ray.address:
+        return None
+    if cfg.ray.num_gpus_per_worker or cfg.ray.num_gpus_per_rollout_worker:
+        return local_gpu()
+    # the figures beside the memory do not enter a fit
+    return Hardware("cpu", memory_bytes=meminfo("MemTotal"), bandwidth=1e10,
+                    bf16_flops=1e11, fp32_flops=1e11, intra_link=1e10, inter_link=1e9, gpu=False)
+
+
+def check_fit(cfg: Config, rows: list[dict]) -> None:
+    """The run's plan (rl.plan) against this machine's memory: one line with the need, the
+    capacity and the smallest fix when it does not fit (run.fit_check=false skips it)."""
+    if not cfg.run.fit_check:
+        return
+    hw = local_hardware(cfg)
+    if hw is None:
+        return
+    from rl.plan.plan import Cluster, fix_text, make_plan, smallest_fix
+    from rl.plan.report import model_shape
+    from rl.plan.run import estimated_prompt_tokens
+
+    shape = model_shape(cfg.model.path)
+    prompt = estimated_prompt_tokens(cfg, rows)
+    cluster = Cluster(hw, 1, 1)
+    plan = make_plan(cfg, shape, cluster, prompt)
+    if plan.fits:
+        return
+    fix = smallest_fix(cfg, shape, cluster, prompt)
+    raise ConfigError(f"the plan does not fit this machine: {plan.short}; smallest fix: "
+                      f"{fix_text(fix) if fix else 'none found (more memory or devices)'} "
+                      f"(rl-plan shows the plan; run.fit_check=false skips this check)")
+
+
 def preflight(cfg: Config):
     """Every up-front check; returns the data set (rl.data.prompts.Rows: training and held-out rows,
     through the rewards' start checks)."""
@@ -206,6 +246,12 @@ def preflight(cfg: Config):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     check_model_path(cfg)
+    try:
+        check_fit(cfg, rows.train)
+    except ValueError as e:  # a config.json the planner cannot read: vLLM's checks come later
+        if isinstance(e, ConfigError):
+            raise
+        print(f"rl-train: no plan ({e})", file=sys.stderr, flush=True)
     check_tensor_parallel(cfg)
     check_env(cfg)
     check_ray_address(cfg)

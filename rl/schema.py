@@ -29,6 +29,10 @@ class RunConfig:
     "W&B project of the run (with run.loggers including wandb)."
     timeline_steps: int = field(default=20, metadata={"bound": ">= 0"})
     "RL steps recorded in timeline.json (Chrome trace; opens in Perfetto); 0 writes none."
+    fit_check: bool = True
+    ("Before Ray starts, refuse a run whose plan (rl-plan) does not fit this machine's RAM (CPU "
+     "workers) or each GPU's memory (GPU workers), naming the smallest fix; false skips it "
+     "(docs/planning.md).")
 
 
 @dataclass

@@ -492,7 +492,10 @@ class VLLMEngine:
         d = {k: now[k] - self._last_counters[k] for k in now}
         self._last_counters = now
         stats = {"rollout/prefix_hit_rate": d["vllm:prefix_cache_hits"]
-                 / max(d["vllm:prefix_cache_queries"], 1.0)}
+                 / max(d["vllm:prefix_cache_queries"], 1.0),
+                 # the KV blocks vLLM allocated (rl-plan predicts them: plan/kv_blocks)
+                 "rollout/kv_blocks": float(self.llm.llm_engine.vllm_config.cache_config
+                                            .num_gpu_blocks or 0)}
         if self.cfg.speculative_method is not None:
             stats["rollout/spec_accept_rate"] = d["vllm:spec_decode_num_accepted_tokens"] / max(
                 d["vllm:spec_decode_num_draft_tokens"], 1.0)

@@ -48,6 +48,7 @@ class Controller(RunLifecycle):
         self.spans = Spans()  # the driver's track of timeline.json
         self.recorder = TimelineRecorder(self.spans)
         self.log = None
+        self.plan_metrics: dict = {}
         self.evaluator = None  # rl.run.evaluate.Evaluator when there is a held-out set
 
     @property
@@ -226,6 +227,7 @@ class Controller(RunLifecycle):
         metrics.update(staleness_metrics(samples, self.policy_version))
         metrics.update(self.rollout_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
+        metrics.update(self.plan_metrics)  # the plan's figures beside the measured ones
         metrics.update(time_metrics(step, batch, t0, t1, t2, t3, self.producer is not None))
         decode = self.tokenizer.decode if multi_turn else None
         self.log.log_rollouts(step, rollout_records(samples, self.prompts.texts,

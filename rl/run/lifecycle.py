@@ -40,6 +40,24 @@ def check_lora_targets(cfg: Config, model_path: str) -> None:
              "loaded" if cfg.algorithm.loss.kl_coef > 0 else ""), flush=True)
 
 
+def write_plan(cfg: Config, model_path: str, prompts, run_dir: Path) -> dict:
+    """plan.json: rl-plan's prediction for this run (its longest prompt, this machine), and
+    the plan/* metrics each step logs beside what it measures; {} where the model's shape is
+    not one the planner reads."""
+    import json
+
+    from rl.data.models import cache_root
+    from rl.plan.run import plan_metrics, run_plan
+
+    try:
+        plan = run_plan(cfg, model_path, max(map(len, prompts.prompt_ids)), cache_root())
+    except ValueError as e:
+        print(f"plan: none ({e})", flush=True)
+        return {}
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1, default=str))
+    return plan_metrics(plan)
+
+
 def new_run_dir(cfg: Config) -> Path:
     """runs/<name>, or runs/<name>-2, -3 ... when that exists: never overwrite a past run."""
     base = Path(cfg.run.output_dir) / cfg.run.name
@@ -93,6 +111,7 @@ class RunLifecycle:
                      if rows.dropped else ")"), flush=True)
         self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.plan_metrics = write_plan(cfg, model_path, self.prompts, self.run_dir)
         print(f"run directory: {self.run_dir}" + (f" (resuming from {resume.checkpoint})"
                                                   if resume else ""), flush=True)
         self.recorder.start(self.run_dir / "timeline.json", cfg.run.timeline_steps,

@@ -1,8 +1,9 @@
 """LoRA on the real DeepSpeed trainer (2 ranks over gloo, the quickstart's shared-prompt layout,
 a KL reference): after a step only the adapters moved and the base is bit-identical, at ZeRO
-stages 0-3 alike (within rounding, tests/numerics.py); the reference is the base model (its logprobs equal those of the
-model loaded alone); the merged model scores as the adapted policy; and the checkpoint holds
-the adapters and their optimizer state only, from which the next step is bit-identical."""
+stages 0-3 alike (within rounding, tests/numerics.py); the reference is the base model (its
+logprobs equal those of the model loaded alone); the merged model scores as the adapted
+policy; and the checkpoint holds the adapters and their optimizer state only, from which the
+next step is bit-identical."""
 import pytest
 
 from tests.integration.test_shared_prompts import rank_samples

@@ -47,9 +47,10 @@ LORA_ARGS = ["recipes/quickstart_lora.yaml", "trainer.total_steps=4", "trainer.c
 
 
 def timing(key: str) -> bool:
-    """Keys a rerun may change: times, memory, and checkpoint sizes (the saved config and
-    state name the run, and the two runs here have different names)."""
-    return (key.startswith(("time/", "throughput/", "checkpoint/", "memory/"))
+    """Keys a rerun may change: times, memory, the plan (from this machine's measured speed),
+    and checkpoint sizes (the saved config and state name the run, and the two runs here have
+    different names)."""
+    return (key.startswith(("time/", "throughput/", "checkpoint/", "memory/", "plan/"))
             or key.endswith(("seconds", "tokens_per_s")))
 
 

@@ -72,6 +72,14 @@ def test_metrics_have_every_key_and_finite_values(finished_run):
     assert ["eval/pass@2" in m for m in lines] == [True, False, True, True]
     lines = lines[1:]
     check_step_metrics(load_config(str(run_dir / "config.yaml")), lines)
+    # the run's plan (plan.json) beside what it measured: the KV blocks vLLM allocated and the
+    # bytes each TP rank received, exactly (docs/planning.md)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["fits"] and plan["engine"]["kv_blocks"] > 0
+    for m in lines:
+        assert m["plan/kv_blocks"] == m["rollout/kv_blocks"]
+        assert m["plan/sync_bytes_per_tp_rank"] == m["sync/bytes_per_tp_rank"]
+        assert m["plan/time_update"] > 0 and m["plan/trainer_peak_rss_mib"] > 0
     for m in lines:
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing

@@ -20,6 +20,9 @@ FORBIDDEN = {
     "rl": set(),
     "rl.run": {"rl.cli", "rl.preflight"},
     "rl.data": {"rl.cli", "rl.preflight", "rl.run"},
+    # the planner: pure arithmetic over the config (rl.data: the built-ins' shapes)
+    "rl.plan": {"rl.cli", "rl.preflight", "rl.run", "rl.algo", "rl.observe",
+                "rollout", "weight_sync", "rewards", "envs"},
     "rl.algo": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.observe",
                 "rollout", "weight_sync", "rewards", "envs"},  # update.losses: a registry
     "rl.observe": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.algo",
@@ -113,6 +116,9 @@ def test_the_check_catches_a_room_importing_upward_and_a_circle(tmp_path):
 def test_cli_and_algorithms_import_no_engine():
     code = ("import sys, rl.cli, rl.config, rl.algo.advantages, update.losses, rewards.registry;"
             "rl.cli.parse_args(['recipes/quickstart.yaml']);"
+            # rl-plan, the whole plan of a 7B on GPUs: arithmetic only
+            "rl.cli.plan_main(['recipes/quickstart.yaml', 'model.path=docs/models/llama-7b',"
+            " '--hardware', 'h100-80g', '--json']);"
             "heavy = [m for m in ('vllm', 'deepspeed', 'ray') if m in sys.modules];"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,134 @@
+"""What the planner knows of a device: memory, memory bandwidth, dense matmul peaks, links, and
+the fraction of the peaks a step reaches (calibrated; see docs/planning.md). Presets for common
+GPUs, each figure with its source; `cpu` measures this machine; a YAML file gives any other."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: float  # what one device (a GPU; a CPU node's RAM) offers a process
+    bandwidth: float  # bytes/s its compute reads from that memory
+    bf16_flops: float  # dense matmul peak, FLOP/s
+    fp32_flops: float
+    intra_link: float  # bytes/s between devices of one node (NVLink; CPU: memcpy)
+    inter_link: float  # bytes/s between nodes, per device
+    gpu: bool = True
+    # fraction of the matmul peak a training step's forward and backward reach, and a decode
+    # step of the bandwidth bound (calibrated per hardware, docs/planning.md)
+    train_utilization: float = 0.5
+    decode_utilization: float = 0.6
+    prefill_utilization: float = 0.5
+    # fixed costs the bounds above miss: a decode step's scheduling and sampling; a decoder
+    # layer's forward or backward in training (launches, ZeRO's hooks); a sync's own work
+    # (barriers, the probe). On a GPU the launches overlap the kernels (a step takes the larger
+    # of the two); on a CPU they add.
+    decode_step_overhead: float = 0.003
+    layer_pass_overhead: float = 0.0043
+    sync_overhead: float = 0.05
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def flops(self, dtype: str) -> float:
+        return self.bf16_flops if dtype == "bfloat16" else self.fp32_flops
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Datasheets: NVIDIA A100 (SXM4 80GB), H100 (SXM5 80GB), H200 (SXM 141GB); "dense" is without
+# structured sparsity. Usable memory: what nvidia-smi reports as the card's total. Links: NVLink
+# 3 (A100, 600 GB/s) and 4 (900 GB/s) per GPU, bidirectional, half each way; between nodes one
+# InfiniBand HDR (200 Gb/s, A100 systems) or NDR (400 Gb/s) adapter per GPU, as in DGX systems.
+PRESETS = {
+    "a100-80g": Hardware(
+        "a100-80g", memory_bytes=81920 * 2**20, bandwidth=2.039e12, bf16_flops=312e12,
+        fp32_flops=19.5e12, intra_link=300e9, inter_link=25e9,
+        sources={"memory": "nvidia-smi: 81920 MiB", "bandwidth": "A100 datasheet, SXM4 80GB",
+                 "flops": "A100 datasheet: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
+                 "links": "NVLink 3 600 GB/s bidirectional; HDR 200 Gb/s per GPU (DGX A100)"}),
+    "h100-80g": Hardware(
+        "h100-80g", memory_bytes=81559 * 2**20, bandwidth=3.35e12, bf16_flops=989e12,
+        fp32_flops=67e12, intra_link=450e9, inter_link=50e9,
+        sources={"memory": "nvidia-smi: 81559 MiB", "bandwidth": "H100 SXM5 datasheet",
+                 "flops": "H100 SXM5 datasheet: BF16 989 TFLOPS dense, FP32 67 TFLOPS",
+                 "links": "NVLink 4 900 GB/s bidirectional; NDR 400 Gb/s per GPU (DGX H100)"}),
+    "h200": Hardware(
+        "h200", memory_bytes=143771 * 2**20, bandwidth=4.8e12, bf16_flops=989e12,
+        fp32_flops=67e12, intra_link=450e9, inter_link=50e9,
+        sources={"memory": "nvidia-smi: 143771 MiB", "bandwidth": "H200 SXM datasheet",
+                 "flops": "H200 datasheet: BF16 989 TFLOPS dense, FP32 67 TFLOPS",
+                 "links": "NVLink 4 900 GB/s bidirectional; NDR 400 Gb/s per GPU"}),
+}
+HARDWARE_NAMES = ("cpu", *PRESETS)
+
+
+def load_hardware(name: str) -> Hardware:
+    """A preset by name, `cpu` (this machine, measured), or a YAML file with Hardware's fields."""
+    if name == "cpu":
+        return measure_cpu()
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.endswith((".yaml", ".yml")) and os.path.isfile(name):
+        import yaml
+
+        given = yaml.safe_load(open(name)) or {}
+        known = {f.name for f in fields(Hardware)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"hardware file {name}: unknown key {unknown[0]!r}; known: "
+                             f"{', '.join(sorted(known))}")
+        return Hardware(**{"name": os.path.basename(name), **given})
+    raise ValueError(f"hardware {name!r} is not known; use one of {', '.join(HARDWARE_NAMES)} or "
+                     f"a YAML file with the fields of rl.plan.hardware.Hardware")
+
+
+def meminfo(key: str) -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return float(line.split()[1]) * 1024
+    raise ValueError(f"/proc/meminfo has no {key}")
+
+
+def measure_cpu(seconds: float = 3.0) -> Hardware:
+    """This machine: its RAM, a memcpy's bandwidth, and float32/bf16-less matmul rates (numpy's
+    BLAS on every core), each measured for about a second. The utilizations are those
+    calibrated on 2-core machines (docs/planning.md)."""
+    import numpy as np
+
+    budget = seconds / 3
+    src = np.ones(64 * 2**20 // 4, dtype=np.float32)  # 64 MiB: past the caches
+    dst = np.empty_like(src)
+    copies, start = 0, time.perf_counter()
+    while time.perf_counter() - start < budget:
+        np.copyto(dst, src)
+        copies += 1
+    copy_s = (time.perf_counter() - start) / copies
+    bandwidth = 2 * src.nbytes / copy_s  # a copy reads and writes each byte
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    a @ a  # warm the BLAS threads
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < budget:
+        a @ a
+        n += 1
+    fp32 = n * 2 * 1024 ** 3 / (time.perf_counter() - start)
+    return Hardware(
+        "cpu", memory_bytes=meminfo("MemTotal"), bandwidth=bandwidth, bf16_flops=fp32,
+        fp32_flops=fp32, intra_link=src.nbytes / copy_s, inter_link=1.25e9, gpu=False,
+        train_utilization=CPU_UTILIZATION["train"], decode_utilization=CPU_UTILIZATION["decode"],
+        prefill_utilization=CPU_UTILIZATION["prefill"], decode_step_overhead=0.009,
+        layer_pass_overhead=0.003, sync_overhead=0.03,
+        sources={"memory": "/proc/meminfo MemTotal", "bandwidth": "a 64 MiB numpy copy",
+                 "flops": "a 1024^3 float32 numpy matmul on every core (bf16 taken as fp32)",
+                 "links": "memcpy between processes; 10 Gb/s Ethernet between nodes (assumed)"})
+
+
+# Fractions of the measured peaks that rl-train's steps reach on a 2-core CPU, and (measure_cpu)
+# the fixed costs, from the quickstart's step on a 2-core AMD EPYC (docs/planning.md)
+CPU_UTILIZATION = {"train": 0.25, "decode": 0.3, "prefill": 0.3}

@@ -1,0 +1,78 @@
+"""The planner's formulas against hand-computed tables: model states per ZeRO stage (the ZeRO
+paper's 7.5B example), parameters and KV bytes of known models (MHA and GQA), TP division."""
+import pytest
+
+from rl.plan.memory import (EngineSide, TrainerSide, engine_memory, kv_bytes_per_token_per_rank,
+                            state_bytes)
+from rl.plan.shape import ModelShape
+
+# Llama-2-7B (MHA) and Llama-3-8B (GQA), from their config.json
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                 vocab_size=32000, tie_word_embeddings=False)
+LLAMA3_8B = dict(LLAMA2_7B, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256)
+
+
+def side(stage, ranks, dtype="bfloat16"):
+    return TrainerSide(ranks=ranks, zero_stage=stage, dtype=dtype, bf16_mode="weights",
+                       micro_batch=1, prompt_tokens=1, response_tokens=1, group_size=1,
+                       share_prompts=False, checkpointing=False, whole_model_max=0, release=True,
+                       reference=False, critic=False)
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_papers_example(stage, gb):
+    """Rajbhandari et al. 2020, figure 1: Φ = 7.5B, K = 12 (mixed-precision Adam), 64 devices:
+    120 / 31.4 / 16.6 / 1.9 GB per device."""
+    assert sum(state_bytes(7.5e9, side(stage, 64)).values()) / 1e9 == pytest.approx(gb, abs=0.05)
+
+
+def test_float32_states_are_16_bytes_without_a_master_copy():
+    # 4 weights + 4 gradients + 8 Adam, ZeRO-2 on 4 ranks: 4Φ + 12Φ/4
+    assert sum(state_bytes(1e9, side(2, 4, "float32")).values()) == pytest.approx(7e9)
+
+
+def test_parameter_counts_of_known_models():
+    assert ModelShape.from_config(LLAMA2_7B).params() == 6_738_415_616  # "7B"
+    assert ModelShape.from_config(LLAMA3_8B).params() == 8_030_261_248  # "8B"
+    qwen = ModelShape.from_config(dict(  # Qwen2-0.5B: q/k/v biases, tied head
+        model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+        tie_word_embeddings=True))
+    assert qwen.params() == 494_032_768
+
+
+@pytest.mark.parametrize("config, tp, per_token", [
+    (LLAMA2_7B, 1, 2 * 32 * 32 * 128 * 2),   # MHA: 512 KiB a token in bf16
+    (LLAMA3_8B, 1, 2 * 32 * 8 * 128 * 2),    # GQA: 128 KiB
+    (LLAMA3_8B, 4, 2 * 32 * 2 * 128 * 2),    # 8 KV heads over 4 ranks: 2 each
+    (LLAMA3_8B, 16, 2 * 32 * 1 * 128 * 2),   # more ranks than KV heads: one each (replicated)
+])
+def test_kv_bytes_per_token_and_tp_rank(config, tp, per_token):
+    shape = ModelShape.from_config(config)
+    e = EngineSide(tp=tp, dtype="bfloat16", max_model_len=4096, block_size=16, max_num_seqs=256,
+                   kv_cap_bytes=None, memory_fraction=0.9, seq_tokens=4096)
+    assert kv_bytes_per_token_per_rank(shape, e) == per_token
+    if tp == 1:
+        assert shape.kv_bytes_per_token(2) == per_token
+
+
+def test_engine_weights_divide_by_tp_and_the_kv_budget_sets_the_sequences():
+    shape = ModelShape.from_config(LLAMA2_7B)
+    e = EngineSide(tp=2, dtype="bfloat16", max_model_len=4096, block_size=16, max_num_seqs=256,
+                   kv_cap_bytes=None, memory_fraction=0.5, seq_tokens=4096)
+    m = engine_memory(shape, e, 80e9)
+    assert m["weights"] == shape.params() * 2 / 2
+    assert m["kv_cache"] == pytest.approx(40e9 - m["weights"])
+    per_seq = 4096 // 16 * 16 * (2 * 32 * 16 * 128 * 2)  # a rank's 16 heads, 256 blocks
+    assert m["max_sequences"] == int(m["kv_cache"] // per_seq)
+    assert m["kv_per_sequence"] == 4096 * 2 * 32 * 16 * 128 * 2  # 256 MiB on each rank
+
+
+def test_cpu_kv_cache_is_what_max_num_seqs_take_at_most_the_cap():
+    """rollout.vllm_engine.kv_cache_bytes: the quickstart's model needs 0.125 GiB."""
+    shape = ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=384,
+                       vocab=512, tied=False)
+    e = EngineSide(tp=1, dtype="float32", max_model_len=512, block_size=32, max_num_seqs=256,
+                   kv_cap_bytes=2 ** 30, memory_fraction=0.5, seq_tokens=40)
+    assert engine_memory(shape, e, 24 * 2 ** 30)["kv_cache"] == 256 * 512 * 2 * 2 * 2 * 32 * 4

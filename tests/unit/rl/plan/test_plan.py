@@ -1,0 +1,96 @@
+"""The plan of a whole config: the verdict and the fix it computes (applied, it fits), the
+time model's pieces, rl-plan on config.json-only directories, and rl-train's preflight refusal."""
+import json
+from pathlib import Path
+
+import pytest
+
+from rl.config import load_config
+from rl.plan.hardware import PRESETS, Hardware
+from rl.plan.plan import Cluster, make_plan, smallest_fix, with_changes
+from rl.plan.shape import ModelShape
+from rl.plan.timing import speculation, step_seconds
+
+ROOT = Path(__file__).parents[4]
+LLAMA_7B, LLAMA_70B = ROOT / "docs/models/llama-7b", ROOT / "docs/models/llama-70b"
+RL = ["trainer.dtype=bfloat16", "rollout.dtype=bfloat16", "rollout.max_model_len=4096",
+      "rollout.max_new_tokens=1024", "rollout.prompts_per_step=64", "rollout.n=8",
+      "trainer.micro_batch_size=4", "data.eval_fraction=0", "trainer.eval_every=0"]
+
+
+def ram(gib: float) -> Hardware:
+    return Hardware("cpu", memory_bytes=gib * 2 ** 30, bandwidth=1e10, bf16_flops=1e11,
+                    fp32_flops=1e11, intra_link=1e10, inter_link=1e9, gpu=False)
+
+
+def test_a_7b_that_does_not_fit_8_h100s_gets_a_fix_that_fits():
+    cfg = load_config("recipes/quickstart.yaml", [f"model.path={LLAMA_7B}", "ray.num_workers=8",
+                                                  *RL])
+    shape, cluster = ModelShape.from_dir(LLAMA_7B), Cluster(PRESETS["h100-80g"], 1, 8)
+    plan = make_plan(cfg, shape, cluster, 512)
+    assert not plan.fits and "needs" in plan.short and "activations" in plan.short
+    fix = smallest_fix(cfg, shape, cluster, 512)
+    assert fix == {"trainer.gradient_checkpointing": True}
+    assert make_plan(with_changes(cfg, fix), shape, cluster, 512).fits
+
+
+def test_the_fix_for_a_15b_at_zero_0_on_this_kind_of_machine_fits():
+    shape = ModelShape.from_config(dict(
+        model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+        tie_word_embeddings=True))
+    cfg = load_config("recipes/quickstart.yaml", ["trainer.zero_stage=0"])
+    cluster = Cluster(ram(20), 1, 1)
+    assert not make_plan(cfg, shape, cluster, 40).fits
+    fix = smallest_fix(cfg, shape, cluster, 40)
+    assert fix and make_plan(with_changes(cfg, fix), shape, cluster, 40).fits
+    assert not make_plan(cfg, shape, Cluster(ram(8), 1, 1), 40).fits
+
+
+def test_more_memory_never_makes_a_plan_stop_fitting():
+    cfg = load_config("recipes/quickstart.yaml", [f"model.path={LLAMA_7B}", *RL])
+    shape = ModelShape.from_dir(LLAMA_7B)
+    fits = [make_plan(cfg, shape, Cluster(ram(g), 1, 1), 512).fits for g in (16, 64, 256, 1024)]
+    assert fits == sorted(fits) and fits[-1] and not fits[0]
+
+
+def test_speculation_tokens_and_where_it_pays():
+    assert speculation(0.0, 3, 1.0, 0.0, "memory")["tokens_per_step"] == pytest.approx(1.0)
+    assert speculation(0.8, 3, 1.0, 0.0, "memory")["tokens_per_step"] == pytest.approx(
+        1 + 0.8 + 0.64 + 0.512)
+    assert speculation(0.8, 3, 1.0, 0.0, "memory")["speedup"] > 2  # reading weights: pays
+    assert speculation(0.8, 3, 1.0, 0.0, "compute")["speedup"] < 1  # computing: never
+
+
+def test_pipeline_modes_overlap_what_they_can():
+    assert step_seconds(3.0, 2.0, 1.0, "sync") == 6.0
+    assert step_seconds(3.0, 2.0, 1.0, "one_step") == 3.0
+    assert step_seconds(1.0, 2.0, 0.5, "fully_async") == 2.0
+
+
+@pytest.mark.parametrize("model", [LLAMA_7B, LLAMA_70B])
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_rl_plan_on_a_config_json_only_directory(model, nodes, capsys):
+    from rl.cli import plan_main
+
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    assert plan_main(["recipes/quickstart.yaml", f"model.path={model}", *RL,
+                      "rollout.tensor_parallel_size=8", "--hardware", "h100-80g",
+                      "--gpus-per-node", "8", "--nodes", str(nodes), "--prompt-tokens", "512",
+                      "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["nodes"] == nodes and plan["devices_per_node"] == 8
+    assert plan["time"]["step"]["sync"] > 0 and plan["engine"]["kv_blocks"] > 0
+    assert plan["fits"] or plan["fix"]
+
+
+def test_rl_train_refuses_what_cannot_fit_before_ray_with_one_line(monkeypatch, capsys):
+    import rl.preflight
+    from rl.cli import main
+
+    monkeypatch.setattr(rl.preflight, "local_hardware", lambda cfg: ram(12))
+    code = main(["recipes/quickstart.yaml", f"model.path={LLAMA_7B}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("rl-train: the plan does not fit")
+    assert "needs" in err[0] and "has 11.4 GiB" in err[0] and "smallest fix:" in err[0]
+    assert "run.fit_check=false" in err[0]
