@@ -8,22 +8,25 @@ from tests.numerics import adam_update, depth, rounding, width
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "small-qwen2"])
-def test_a_float32_forward_is_within_half_the_rounding_bound_of_float64(preset, tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_a_float32_forward_is_within_half_the_rounding_bound_of_float64(preset):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rl.data.models import build_tiny_model
+    from rl.data.models import PRESETS
 
-    path = build_tiny_model(preset, out_dir=tmp_path / "m")
+    p = PRESETS[preset]  # the preset's shape with random weights (no tokenizer needed)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads, tie_word_embeddings=p.tie_word_embeddings)).eval()
+    ids = torch.randint(3, p.vocab_size, (4, 48), generator=torch.Generator().manual_seed(0))
     out = {}
     for dtype in (torch.float32, torch.float64):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        ids = torch.randint(3, model.config.vocab_size, (4, 48),
-                            generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            out[dtype] = model(ids).logits.log_softmax(-1).double()
+            out[dtype] = model.to(dtype)(ids).logits.log_softmax(-1).double()
     error = float((out[torch.float32] - out[torch.float64]).abs().max())
-    config = model.config
-    bound = rounding(float(out[torch.float64].abs().max()), depth(config), width(config)) / 2
+    bound = rounding(float(out[torch.float64].abs().max()), depth(model.config),
+                     width(model.config)) / 2
     assert 0 < error <= bound, (error, bound)
 
 
