@@ -56,7 +56,7 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-ROWS = {"2": dict(zero_stage=2), "3": dict(zero_stage=3),
+ROWS = {"0": dict(zero_stage=0), "2": dict(zero_stage=2), "3": dict(zero_stage=3),
         "3-whole": dict(zero_stage=3, zero3_whole_model_max=10**9),
         "3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
 
@@ -107,7 +107,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench-100m", choices=sorted(PRESETS))
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default="2,3,3-whole,3-modules", help=f"of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per stage (median)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each stage, alternating")
     ap.add_argument("--ranks", type=int, default=2, help="ranks, 1 torch thread each")

@@ -16,10 +16,12 @@ from rl.schema import Config
 GIB = 2 ** 30
 CPU_MAX_NUM_SEQS = 256  # vLLM-CPU's max_num_seqs (rollout.vllm_engine.CPU_MAX_NUM_SEQS)
 GPU_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs for the LLM class
-# CPU: a process's own resident memory beside its tensors (Python, torch, DeepSpeed or vLLM
-# imported; calibrated, docs/planning.md); GPU: the CUDA context and the allocator's slack
-CPU_TRAINER_PROCESS = 1.0 * GIB
-CPU_ENGINE_PROCESS = 0.6 * GIB
+# CPU: a process's own resident memory beside its tensors: a trainer rank's (torch, DeepSpeed,
+# transformers: 535-587 MiB with the tiny model, benchmarks/plan_check.py), and what an
+# in-process vLLM engine adds (the quickstart's colocated worker, docs/planning.md); GPU: the
+# CUDA context and the allocator's slack
+CPU_TRAINER_PROCESS = 0.5 * GIB
+CPU_ENGINE_PROCESS = 1.25 * GIB
 CPU_DRIVER = 1.5 * GIB  # the driver and Ray's own processes
 GPU_CONTEXT = 1.0 * GIB
 HEADROOM = 0.95  # of a device's memory, what a plan may fill

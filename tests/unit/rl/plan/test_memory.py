@@ -76,3 +76,13 @@ def test_cpu_kv_cache_is_what_max_num_seqs_take_at_most_the_cap():
     e = EngineSide(tp=1, dtype="float32", max_model_len=512, block_size=32, max_num_seqs=256,
                    kv_cap_bytes=2 ** 30, memory_fraction=0.5, seq_tokens=40)
     assert engine_memory(shape, e, 24 * 2 ** 30)["kv_cache"] == 256 * 512 * 2 * 2 * 2 * 32 * 4
+
+
+def test_zero_1_2_buffers_a_float32_partition_copy_and_the_reduce_bucket():
+    from rl.plan.memory import zero_buffers
+
+    s = side(2, 2, "float32")
+    assert zero_buffers(1e8, s) == 1e8 * 4 / 2 + 1e8 * 4  # copy of the half, whole gradient
+    assert zero_buffers(1e10, s) == 1e10 * 4 / 2 + 5e8 * 4  # the bucket caps at 5e8 elements
+    assert zero_buffers(1e8, side(2, 2)) == 1e8 * 2  # bf16: the master copy is a model state
+    assert zero_buffers(1e8, side(3, 2, "float32")) == zero_buffers(1e8, side(0, 2)) == 0
