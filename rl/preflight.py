@@ -248,9 +248,9 @@ def preflight(cfg: Config):
     check_model_path(cfg)
     try:
         check_fit(cfg, rows.train)
+    except ConfigError:
+        raise
     except ValueError as e:  # a config.json the planner cannot read: vLLM's checks come later
-        if isinstance(e, ConfigError):
-            raise
         print(f"rl-train: no plan ({e})", file=sys.stderr, flush=True)
     check_tensor_parallel(cfg)
     check_env(cfg)

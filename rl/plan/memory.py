@@ -62,8 +62,7 @@ def zero_buffers(trained: float, side: TrainerSide) -> float:
     """What DeepSpeed's ZeRO-1/2 optimizer holds beyond the model states: a flat float32 copy
     of its partition beside float32 weights (bf16's 12 bytes count it already), and the
     contiguous bucket gradients are reduced through (reduce_bucket_size, 5e8 elements by
-    default, or the whole model). On bench-100m, 2 ranks, ZeRO-2: 4265 MiB predicted against
-    5140 measured with them, 3684 without (docs/planning.md)."""
+    default, or the whole model); what they change on a measured peak: docs/planning.md."""
     if side.zero_stage not in (1, 2):
         return 0.0
     mixed = side.dtype == "bfloat16" and side.bf16_mode == "weights"
@@ -181,7 +180,7 @@ def engine_memory(shape: ModelShape, e: EngineSide, device_bytes: float) -> dict
     weights = shape.params() * DTYPE_BYTES[e.dtype] / e.tp
     per_token = kv_bytes_per_token_per_rank(shape, e)
     if e.kv_cap_bytes is not None:
-        whole = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[e.dtype]
+        whole = shape.kv_bytes_per_token(DTYPE_BYTES[e.dtype])  # all ranks' heads
         kv = min(e.max_num_seqs * e.max_model_len * whole, e.kv_cap_bytes) * per_token / whole
     else:
         kv = max(0.0, e.memory_fraction * device_bytes - weights)

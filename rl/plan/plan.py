@@ -233,25 +233,28 @@ def smallest_fix(cfg: Config, shape: ModelShape, cluster: Cluster,
     for change in candidate_fixes(cfg):
         if make_plan(with_changes(cfg, change), shape, cluster, prompt_tokens).fits:
             return change
+    def fullest(plan: Plan) -> float:
+        return max(need / cap for need, cap in plan.devices.values())
+
     chosen: dict = {}
-    current = cfg
     for _ in range(4):
-        def need(c):
-            return max(n / cap for n, cap in make_plan(c, shape, cluster,
-                                                       prompt_tokens).devices.values())
-        options = [dict(chosen, **ch) for ch in candidate_fixes(current)
+        options = [dict(chosen, **ch) for ch in candidate_fixes(with_changes(cfg, chosen))
                    if not set(ch) & set(chosen) - {"trainer.micro_batch_size"}]
         if not options:
             return None
-        best = min(options, key=lambda ch: need(with_changes(cfg, ch)))
-        chosen, current = best, with_changes(cfg, best)
-        if make_plan(current, shape, cluster, prompt_tokens).fits:
+        plans = [(make_plan(with_changes(cfg, ch), shape, cluster, prompt_tokens), ch)
+                 for ch in options]
+        best, chosen = min(plans, key=lambda pc: fullest(pc[0]))
+        if best.fits:
             return chosen
     return None
 
 
 def fix_text(change: dict) -> str:
+    """The change as rl-train's key=value overrides (a LoRA section as its YAML mapping)."""
     def show(v):
-        return "{rank: 8, alpha: 16, target_modules: [all-linear]}" if hasattr(v, "rank") else (
-            str(v).lower() if isinstance(v, bool) else v)
+        if hasattr(v, "rank"):
+            return (f"{{rank: {v.rank}, alpha: {v.alpha:g}, target_modules: "
+                    f"[{', '.join(v.target_modules)}]}}")
+        return str(v).lower() if isinstance(v, bool) else v
     return " ".join(f"{k}={show(v)}" for k, v in change.items())

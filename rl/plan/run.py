@@ -41,8 +41,6 @@ TEMPLATE_TOKENS = 16
 def estimated_prompt_tokens(cfg: Config, rows: list[dict]) -> int:
     """The longest prompt of rows, estimated from its characters, at most what the engine
     allows a prompt (max_model_len - max_new_tokens)."""
-    import json
-
     key = cfg.data.prompt_key
     longest = max((len(r[key] if isinstance(r.get(key), str) else json.dumps(r.get(key)))
                    for r in rows), default=0)
