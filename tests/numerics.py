@@ -46,3 +46,12 @@ def adam_update(depth: int, width: int, dtype: str = "float32") -> float:
     With y spread evenly near 0, the change's mean square is at most ~8ρ·lr² against a step's
     ~lr²: √(8ρ)."""
     return math.sqrt(8 * rounding(1.0, depth, width, dtype))
+
+
+def model_rounding(model_dir, values) -> float:
+    """rounding() for two computations of `values` (floats) by the model in model_dir (its
+    config.json gives the depth and width)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return rounding(max(abs(x) for x in values), depth(config), width(config))

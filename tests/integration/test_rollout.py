@@ -9,6 +9,7 @@ import pytest
 
 from rl.config import load_config
 from rl.data.models import build_tiny_model
+from tests.numerics import model_rounding
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -21,17 +22,6 @@ def model_and_tokenizer(tmp_path_factory):
 
     path = str(build_tiny_model("tiny-qwen2", seed=5, out_dir=tmp_path_factory.mktemp("m") / "q"))
     return path, AutoTokenizer.from_pretrained(path)
-
-
-def rounding_of(path: str, *logprobs) -> float:
-    """tests/numerics.rounding for two computations of these logprobs by the model at path (a
-    verification step's batch against a rescoring: other shapes, other reduction orders)."""
-    from transformers import AutoConfig
-
-    from tests.numerics import depth, rounding, width
-
-    config = AutoConfig.from_pretrained(path)
-    return rounding(max(abs(x) for lps in logprobs for x in lps), depth(config), width(config))
 
 
 PLAIN = ["ray.num_workers=1", "ray.num_cpus_per_worker=0.5", "rollout.n=4",
@@ -97,8 +87,8 @@ def test_speculation_is_exact(ray_session, plain, model_and_tokenizer, method, t
             assert c["token_ids"] == base_group[0]["token_ids"]
             exact = ray.get(greedy.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
             assert len(exact) == len(c["logprobs"])
-            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) <= rounding_of(
-                path, exact, c["logprobs"])
+            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) <= model_rounding(
+                path, exact + c["logprobs"])
 
 
 def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_and_tokenizer):
@@ -114,8 +104,8 @@ def test_sampled_speculation_returns_target_logprobs(ray_session, plain, model_a
     for p, group in zip(prompts, groups):  # scored by the module's own engine
         for c in group:
             exact = ray.get(w.score_tokens.remote(p + c["token_ids"]))[len(p) - 1:]
-            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) <= rounding_of(
-                path, exact, c["logprobs"])
+            assert max(abs(a - b) for a, b in zip(exact, c["logprobs"])) <= model_rounding(
+                path, exact + c["logprobs"])
 
 
 def test_structured_outputs_per_sample(plain, model_and_tokenizer):

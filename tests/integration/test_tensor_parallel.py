@@ -114,13 +114,10 @@ def observed():
 def rounding_of(*logprobs) -> float:
     """tests/numerics.rounding for two computations of these logprobs by the test's model (TP 1
     and TP 2 engines, vLLM and transformers: other kernels, other reduction splits)."""
-    from transformers import AutoConfig
+    from tests.numerics import model_rounding
 
-    from tests.numerics import depth, rounding, width
-
-    config = AutoConfig.from_pretrained(ENGINES.dir / "model")
-    magnitude = max(abs(x) for lps in logprobs for row in lps for x in row)
-    return rounding(magnitude, depth(config), width(config))
+    values = [x for lps in logprobs for row in lps for x in row]
+    return model_rounding(ENGINES.dir / "model", values)
 
 
 @pytest.mark.integration
