@@ -117,8 +117,8 @@ def recipe(preset: dict, dtype: str, steps: int, name: str) -> dict:
         "trainer": {"total_steps": steps, "lr": preset["lr"], "dtype": dtype,
                     "bf16_mode": "autocast",
                     "micro_batch_size": preset["micro_batch"], "zero_stage": preset["zero_stage"],
-                    # None: rl-train's default (on with LoRA)
-                    "gradient_checkpointing": preset.get("checkpointing")},
+                    # auto: rl-train's default (recompute only where memory needs it)
+                    "gradient_checkpointing": preset.get("checkpointing", "auto")},
         "ray": {"num_workers": preset["workers"],
                 **({"num_rollout_workers": 1} if preset.get("placement") else {})},
         **({"placement": preset["placement"]} if preset.get("placement") else {}),

@@ -240,6 +240,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs!r}: use auto or pass")
     if cfg.trainer.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"trainer.dtype={cfg.trainer.dtype!r}: use float32 or bfloat16")
+    if cfg.trainer.gradient_checkpointing not in (True, False, "auto"):
+        raise ConfigError(f"trainer.gradient_checkpointing={cfg.trainer.gradient_checkpointing!r}"
+                          f": use true, false or auto")
     if cfg.trainer.bf16_mode not in ("weights", "autocast"):
         raise ConfigError(f"trainer.bf16_mode={cfg.trainer.bf16_mode!r}: use weights or autocast")
     check_loggers(cfg.run)

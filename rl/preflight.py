@@ -208,6 +208,32 @@ def local_hardware(cfg: Config):
                     bf16_flops=1e11, fp32_flops=1e11, intra_link=1e10, inter_link=1e9, gpu=False)
 
 
+def resolve_checkpointing(cfg: Config, rows: list[dict]) -> None:
+    """trainer.gradient_checkpointing=auto, settled from the run's plan on this machine
+    (rl.plan.plan.choose_checkpointing) and printed; false where there is no plan to ask (a Ray
+    cluster, a config.json the planner cannot read)."""
+    if cfg.trainer.gradient_checkpointing != "auto":
+        return
+    from rl.plan.plan import Cluster, resolve_auto
+    from rl.plan.report import model_shape
+    from rl.plan.run import estimated_prompt_tokens
+
+    hw = local_hardware(cfg)
+    why = "no local memory to plan against (a Ray cluster); set true where memory is short"
+    if hw is not None:
+        try:
+            shape = model_shape(cfg.model.path)
+        except ValueError as e:
+            why = f"no plan ({e})"
+        else:
+            cluster = Cluster(hw, 1, 1)
+            print(resolve_auto(cfg, shape, cluster, estimated_prompt_tokens(cfg, rows)),
+                  flush=True)
+            return
+    cfg.trainer.gradient_checkpointing = False
+    print(f"trainer.gradient_checkpointing=auto -> false: {why}", flush=True)
+
+
 def check_fit(cfg: Config, rows: list[dict]) -> None:
     """The run's plan (rl.plan) against this machine's memory: one line with the need, the
     capacity and the smallest fix when it does not fit (run.fit_check=false skips it)."""
@@ -247,6 +273,7 @@ def preflight(cfg: Config):
         raise ConfigError(str(e)) from None
     check_model_path(cfg)
     try:
+        resolve_checkpointing(cfg, rows.train)
         check_fit(cfg, rows.train)
     except ConfigError:
         raise

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 @dataclass
@@ -70,16 +70,16 @@ class TrainerConfig:
     "Global gradient-norm clip; 0 turns it off."
     micro_batch_size: int = field(default=8, metadata={"bound": ">= 1"})
     "Samples per forward/backward on one rank; gradient accumulation covers the rest."
-    gradient_checkpointing: Optional[bool] = None
-    ("Recompute activations in the backward: less memory, about 30% more update time, and no "
-     "prompt sharing (HF turns the cache off). None: on with LoRA, off otherwise (LoRA is for "
-     "memory, and without it the activations are most of what a LoRA trainer holds: SmolLM2-135M "
-     "in float32, the trainer's peak 0.67x full fine-tuning's without, 0.41x with; TRL's "
-     "GRPOConfig turns it on by default).")
+    gradient_checkpointing: Union[bool, str] = "auto"
+    ("Recompute activations in the backward (less memory, about a third more update time): true, "
+     "false, or auto: rl-train recomputes only when its plan says a micro-batch's activations "
+     "would not fit beside the rest of the memory, and prints which it chose and why "
+     "(docs/planning.md#gradient-checkpointing-auto); the update package alone reads auto as "
+     "false.")
     enable_prompt_sharing: bool = True
-    ("Run each distinct prompt of a micro-batch once and its responses on its cached keys and "
-     "values (update.forward; the same logits, 2.6x less work on the quickstart); checked at "
-     "start-up, off under gradient checkpointing.")
+    ("Run each distinct prompt of a micro-batch once and its responses on its keys and values "
+     "(update.forward: the same logits, less work when rollout.n > 1), with or without "
+     "recompute; checked at start-up on a small copy of the architecture.")
     total_steps: int = field(default=20, metadata={"bound": ">= 1"})
     "RL steps (one rollout batch and its update each)."
     checkpoint_every: int = field(default=0, metadata={"bound": ">= 0"})
@@ -100,10 +100,9 @@ class TrainerConfig:
      "verifier's full marks, e.g. exact_answer).")
 
     def checkpointing(self) -> bool:
-        """gradient_checkpointing with its default resolved: on with LoRA."""
-        if self.gradient_checkpointing is None:
-            return self.lora is not None
-        return self.gradient_checkpointing
+        """gradient_checkpointing as a bool (auto: rl-train resolves it before the trainers
+        start; unresolved, it is false)."""
+        return self.gradient_checkpointing is True
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """PPO's critic: a value head on the policy's architecture, trained on its own DeepSpeed engine.
 
-Its weights never go to the rollout engine.
+Its weights never go to the rollout engine. It scores a micro-batch as the policy does
+(update.forward.response_logits, in either layout): the value head is a one-entry vocabulary.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
-from update.trainer import load_engine, save_engine, scoring, zero_engine
+from update.trainer import load_engine, save_engine, scoring, shares_prompts, zero_engine
 
 
 class ValueModel(torch.nn.Module):
@@ -24,10 +25,16 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)  # start at V = 0 (as OpenRLHF's critic)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids=None):
+    def forward(self, input_ids, attention_mask, position_ids=None, past_key_values=None,
+                use_cache=False, logits_to_keep=0):
+        """A causal LM's call and output: `.logits` [B, T, 1] the values of the last
+        logits_to_keep positions (0: all)."""
+        from transformers.modeling_outputs import CausalLMOutput
+
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+                               position_ids=position_ids, past_key_values=past_key_values,
+                               use_cache=use_cache).last_hidden_state
+        return CausalLMOutput(logits=self.value_head(hidden[:, -logits_to_keep:].float()))
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.backbone.get_input_embeddings()
@@ -47,6 +54,7 @@ class ValueTrainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.critic_lr,
                                       betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         self.engine = zero_engine(model, cfg, self.world_size, grad_accum, optimizer)
+        self.share_prompts = shares_prompts(cfg, model.backbone.config, recompute=False)
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         save_engine(self.engine, directory, tag)
@@ -58,12 +66,9 @@ class ValueTrainer:
         """V at position t estimates the return of the tokens after t: [B, R], like logprobs
         (position P - 1, the prompt's last, values the first response token). `model`: the
         engine (default), or what `scoring` gives."""
-        dev = self.engine.device
-        mb = full_layout(mb)  # the value head reads every position: no shared prompts
-        values = (model or self.engine)(mb["input_ids"].to(dev), mb["attention_mask"].to(dev),
-                                        mb["position_ids"].to(dev))
-        r = mb["response_mask"].shape[1]
-        return values[:, -r - 1:-1]
+        if not self.share_prompts:
+            mb = full_layout(mb)
+        return (model or self.engine)(mb=mb)[..., 0]
 
     @torch.no_grad()
     def prepare(self, micro_batches: list[dict]) -> list[dict]:

@@ -14,11 +14,18 @@ the model; the shared one runs it once, keeps its keys and values, and runs the 
 them (gradients flow back into the prompt's pass through the cache). The logits are the same
 computation on the same numbers (measured equal to 0 in float32 on Qwen2/Llama, gradients to
 4e-7 relative); with prompts of ~16 tokens and responses of ~4 it is 2.6x less work. The
-reference model and the old-logprob pass use it too. (verl's "prefix grouper" is the same idea.)
+reference model, the old-logprob pass and the critic use it too. (verl's "prefix grouper" is the
+same idea.)
+
+Under gradient checkpointing each decoder layer reruns in the backward: the prompt's layer
+writes its keys and values once (`PromptKV`: a rerun's write keeps the first), and a response
+layer reads them without writing (`ResponseKV`), so that the rerun sees what the forward saw and
+the cache is not a second copy of the activations.
 """
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -65,37 +72,72 @@ def response_logits(model, mb: dict) -> torch.Tensor:
     return _shared_prompt_logits(model, mb, dev)
 
 
+class PromptKV(DynamicLayer):
+    """A layer's cache in the prompts' pass: keeps the first keys and values written; a
+    recompute writes the same numbers again, and gets them back without a second copy."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class ResponseKV(DynamicLayer):
+    """A layer's cache in the responses' pass: each sample's prompt's keys and values (rows
+    `index` of `prompt`: index_select, so the backward sums into the prompt) before its own;
+    nothing is stored, so the pass and its recompute read alike."""
+
+    def __init__(self, prompt: PromptKV, index: torch.Tensor):
+        super().__init__()
+        self.prompt, self.index = prompt, index
+        self.keys, self.is_initialized = prompt.keys, True  # get_seq_length: the prompt's
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return (torch.cat([self.prompt.keys[self.index], key_states], -2),
+                torch.cat([self.prompt.values[self.index], value_states], -2))
+
+
+def allow_recompute_with_cache(model: torch.nn.Module) -> None:
+    """Let checkpointed decoder layers take the shared-prompt caches (transformers drops a
+    cache under checkpointing unless a layer says it only reads it; PromptKV and ResponseKV
+    make a rerun's writes harmless)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m._can_checkpoint_with_cache = True
+
+
 def _shared_prompt_logits(model, mb: dict, dev) -> torch.Tensor:
-    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
 
     prompt_mask = mb["prompt_attention_mask"].to(dev)
     index = mb["prompt_index"].to(dev)
+    cache = Cache(layer_class_to_replicate=PromptKV)
     out = model(input_ids=mb["prompt_ids"].to(dev), attention_mask=prompt_mask,
                 position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1,
-                use_cache=True)
+                past_key_values=cache, use_cache=True)
     first = out.logits[index]  # [B, 1, V]: the prompt's last position scores token 0
     responses = mb["response_ids"].to(dev)
     r = responses.shape[1]
     if r == 1:
         return first
-    # every sample's copy of its prompt's keys and values (index_select: backward sums them)
-    cache = DynamicCache()
-    for layer, kv in enumerate(out.past_key_values.layers):
-        cache.update(kv.keys[index], kv.values[index], layer)
+    shared = Cache(layers=[ResponseKV(layer, index) for layer in cache.layers])
     inputs = responses[:, :-1]  # the last response token scores nothing
     attention = torch.cat([prompt_mask[index],
                            mb["response_attention_mask"][:, :-1].to(dev).long()], 1)
     start = prompt_mask.sum(-1)[index]  # positions count real tokens only, as the engine does
     positions = start[:, None] + torch.arange(r - 1, device=dev)[None, :]
     rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
-                 past_key_values=cache, use_cache=True).logits  # [B, R - 1, V]
+                 past_key_values=shared, use_cache=True).logits  # [B, R - 1, V]
     return torch.cat([first, rest], 1)
 
 
-def check_model_class(config) -> tuple[float, str]:
+def check_model_class(config, recompute: bool = False) -> tuple[float, str]:
     """check_shared_prompts on a small float32 model of the same architecture (2 layers, a
-    1024-token vocabulary, random weights): whether the model class takes the shared layout
-    is a property of its code, and float32 tells a mistake from bf16's rounding (the two
+    1024-token vocabulary, random weights, no dropout): whether the model class takes the shared
+    layout is a property of its code, and float32 tells a mistake from bf16's rounding (the two
     layouts' batch shapes round differently in bf16: 0.15 nats on SmolLM2). The process's
     random state is left as it was."""
     import copy
@@ -107,19 +149,24 @@ def check_model_class(config) -> tuple[float, str]:
     if getattr(small, "layer_types", None):
         small.layer_types = small.layer_types[:small.num_hidden_layers]
     small.vocab_size = min(1024, config.vocab_size)
+    for key, value in vars(small).items():  # a train-mode check (recompute) draws no masks
+        if "dropout" in key and isinstance(value, float):
+            setattr(small, key, 0.0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         try:
             model = AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval()
         except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
             return float("inf"), f"a small {config.model_type} model could not be built: {e}"
-    return check_shared_prompts(model, small.vocab_size)
+    return check_shared_prompts(model, small.vocab_size, recompute)
 
 
-def check_shared_prompts(model, vocab_size: int) -> tuple[float, str]:
+def check_shared_prompts(model, vocab_size: int, recompute: bool = False) -> tuple[float, str]:
     """(max |shared - full| logprob, "") on a small made-up batch (2 prompts x 2 responses of
     different lengths); (inf, the error) when the model's forward cannot take the shared
-    layout (e.g. a cache class of its own)."""
+    layout (e.g. a cache class of its own). With `recompute`, under gradient checkpointing in
+    train mode, and the larger of that and the gradients' largest difference relative to
+    their largest magnitude (a rerun that saw another cache shows there)."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 3)]
     responses = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (4, 2, 1, 3)]
@@ -136,13 +183,30 @@ def check_shared_prompts(model, vocab_size: int) -> tuple[float, str]:
         shared["response_ids"][i, :len(ids)] = torch.tensor(ids)
         shared["response_mask"][i, :len(ids)] = 1.0
     shared["response_attention_mask"] = shared["response_mask"].clone()
-    full = full_layout(shared)
-    with torch.no_grad():
-        try:
-            a = token_logprobs(response_logits(model, shared), shared["response_ids"].to(
-                next(model.parameters()).device))
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
-            return float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
-        b = token_logprobs(response_logits(model, full), response_targets(full).to(a.device))
+    if recompute:
+        model.gradient_checkpointing_enable()
+        allow_recompute_with_cache(model)
+        model.train()
+    try:
+        a, grads_a = _score(model, shared, recompute)
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
+        return float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
+    b, grads_b = _score(model, full_layout(shared), recompute)
     mask = shared["response_mask"].to(a.device)
-    return float(((a - b).abs() * mask).max()), ""
+    diff = float(((a - b).abs() * mask).max())
+    if recompute:
+        scale = max(float(g.abs().max()) for g in grads_b)
+        diff = max(diff, max(float((x - y).abs().max()) for x, y in zip(grads_a, grads_b)) / scale)
+    return diff, ""
+
+
+def _score(model, mb: dict, backward: bool) -> tuple[torch.Tensor, list]:
+    """(token logprobs, and with `backward` the gradients of their masked sum)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.set_grad_enabled(backward):
+        lp = token_logprobs(response_logits(model, mb), response_targets(mb).to(
+            next(model.parameters()).device))
+        if not backward:
+            return lp, []
+        grads = torch.autograd.grad((lp * mb["response_mask"].to(lp.device)).sum(), params)
+    return lp.detach(), list(grads)

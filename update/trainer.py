@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from update.config import LossConfig, TrainerConfig
-from update.forward import (check_model_class, full_layout, is_shared, response_logits,
-                            response_targets, token_logprobs)
+from update.forward import (allow_recompute_with_cache, check_model_class, full_layout, is_shared,
+                            response_logits, response_targets, token_logprobs)
 from update.losses import (BatchCounts, LossInputs, add_metrics, nll_loss, old_logprob_metrics,
                            policy_loss)
 
@@ -390,6 +390,25 @@ def _to(mb: dict, key: str, dev):
     return mb[key].to(dev) if mb.get(key) is not None else None
 
 
+def shares_prompts(cfg: TrainerConfig, config, recompute: bool) -> bool:
+    """Whether shared-prompt micro-batches run as such (else they are expanded to the full
+    layout): on when configured and a small float32 model of this architecture scores a
+    made-up batch alike both ways, under recompute its gradients too
+    (update.forward.check_model_class; every rank decides alike, from the same config)."""
+    import logging
+
+    if not cfg.enable_prompt_sharing:
+        return False
+    diff, error = check_model_class(config, recompute)
+    if diff <= SHARED_PROMPT_TOLERANCE:
+        return True
+    logging.getLogger(__name__).warning(
+        "trainer.enable_prompt_sharing: %s scores shared prompts %s, so each sample runs "
+        "its own prompt (slower when n > 1)", config.model_type,
+        f"with an error ({error})" if error else f"off by {diff:.3g}")
+    return False
+
+
 class PolicyTrainer:
     """The policy on a DeepSpeed engine, plus a frozen reference engine when KL is used.
 
@@ -419,6 +438,7 @@ class PolicyTrainer:
             self.peft = add_adapters(model, cfg.lora, seed)  # in place: `model` holds the adapters
         if cfg.checkpointing():
             model.gradient_checkpointing_enable()
+            allow_recompute_with_cache(model)  # shared prompts under recompute (update.forward)
             if self.peft is not None:  # a frozen embedding: checkpointed layers need a grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
@@ -434,27 +454,7 @@ class PolicyTrainer:
             ref_model.requires_grad_(False)
             self.ref = zero_engine(ref_model, cfg, self.world_size, grad_accum)
             self.ref.eval()
-        self.share_prompts = self._can_share_prompts()
-
-    def _can_share_prompts(self) -> bool:
-        """Whether shared-prompt micro-batches run as such (else they are expanded to the full
-        layout): on when configured and a small float32 model of this architecture scores a
-        made-up batch alike both ways (update.forward.check_model_class; every rank decides
-        alike, from the same config)."""
-        import logging
-
-        if not self.cfg.enable_prompt_sharing:
-            return False
-        if self.cfg.checkpointing():  # HF turns the cache off under checkpointing
-            return False
-        diff, error = check_model_class(self.module.config)
-        if diff <= SHARED_PROMPT_TOLERANCE:
-            return True
-        logging.getLogger(__name__).warning(
-            "trainer.enable_prompt_sharing: %s scores shared prompts %s, so each sample runs "
-            "its own prompt (slower when n > 1)", type(self.module).__name__,
-            f"with an error ({error})" if error else f"off by {diff:.3g} nats")
-        return False
+        self.share_prompts = shares_prompts(cfg, self.module.config, cfg.checkpointing())
 
     @property
     def module(self) -> torch.nn.Module:

@@ -94,10 +94,10 @@ def gathered_bytes(shape: ModelShape, side: TrainerSide, b: int) -> float:
 
 def micro_tokens(side: TrainerSide) -> tuple[int, int]:
     """(T, R): tokens a micro-batch's forward runs and its response tokens. The shared-prompt
-    layout runs each prompt once for its group_size samples (recompute turns it off)."""
+    layout runs each prompt once for its group_size samples."""
     r = side.micro_batch * side.response_tokens
     prompts = side.micro_batch * side.prompt_tokens
-    if side.share_prompts and not side.checkpointing:
+    if side.share_prompts:
         prompts = -(-side.micro_batch // side.group_size) * side.prompt_tokens
     return prompts + r, r
 
@@ -114,8 +114,9 @@ def activation_bytes(shape: ModelShape, side: TrainerSide) -> float:
         # of benchmarks/update_gpu.py; the CPU's flash kernel takes float32 and keeps neither)
         seq = side.prompt_tokens + side.response_tokens
         per_layer += 2 * side.micro_batch * shape.heads * seq * seq * 4
-    if side.checkpointing:
-        return shape.layers * shape.hidden * t * b + per_layer
+    if side.checkpointing:  # shared prompts: the prompts' keys and values stay for the responses
+        prompts = t - side.micro_batch * side.response_tokens if side.share_prompts else 0
+        return shape.layers * (shape.hidden * t + 2 * shape.kv_dim * prompts) * b + per_layer
     return shape.layers * per_layer
 
 

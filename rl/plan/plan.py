@@ -46,6 +46,7 @@ class Plan:
     time: dict = field(default_factory=dict)
     fits: bool = True
     short: str = ""  # the first thing that does not fit
+    notes: list = field(default_factory=list)  # choices made for the config (auto settings)
 
     def process_rss(self) -> float:
         """What a trainer rank's process holds (memory/trainer_peak_rss_mib measures it): on CPU
@@ -64,7 +65,8 @@ class Plan:
                 "devices_per_node": self.cluster.devices_per_node,
                 "prompt_tokens": self.prompt_tokens, "trainer": self.trainer,
                 "engine": self.engine, "devices": self.devices, "time": self.time,
-                "process_rss": self.process_rss(), "fits": self.fits, "short": self.short}
+                "process_rss": self.process_rss(), "fits": self.fits, "short": self.short,
+                "notes": self.notes}
 
 
 def trainer_side(cfg: Config, shape: ModelShape, prompt_tokens: int,
@@ -248,6 +250,31 @@ def smallest_fix(cfg: Config, shape: ModelShape, cluster: Cluster,
         if best.fits:
             return chosen
     return None
+
+
+def choose_checkpointing(cfg: Config, shape: ModelShape, cluster: Cluster,
+                         prompt_tokens: int | None = None) -> tuple[bool, str]:
+    """trainer.gradient_checkpointing=auto: (recompute, why). Recompute only when the plan
+    without it does not fit: its speed where memory allows, its memory where it must."""
+    plan = make_plan(with_changes(cfg, {"trainer.gradient_checkpointing": False}), shape, cluster,
+                     prompt_tokens)
+    need, cap = max(plan.devices.values(), key=lambda nc: nc[0] / nc[1])
+    activations = plan.trainer["activations"] / GIB
+    if plan.fits:
+        return False, (f"a micro-batch's activations ({activations:.2f} GiB) fit beside the rest "
+                       f"(the plan needs {need / GIB:.1f} of {cap / GIB:.1f} GiB)")
+    return True, f"without recompute the plan does not fit ({plan.short})"
+
+
+def resolve_auto(cfg: Config, shape: ModelShape, cluster: Cluster,
+                 prompt_tokens: int | None = None) -> str:
+    """Settle trainer.gradient_checkpointing=auto in cfg (in place, before any trainer reads
+    it); the line that says which and why, or "" when it was set."""
+    if cfg.trainer.gradient_checkpointing != "auto":
+        return ""
+    choice, why = choose_checkpointing(cfg, shape, cluster, prompt_tokens)
+    cfg.trainer.gradient_checkpointing = choice
+    return f"trainer.gradient_checkpointing=auto -> {str(choice).lower()}: {why}"
 
 
 def fix_text(change: dict) -> str:

@@ -45,7 +45,7 @@ def render(plan: Plan, fix: dict | None) -> str:
              f"rank(s), ZeRO-{cfg.trainer.zero_stage}, {cfg.trainer.dtype}; engines at TP "
              f"{cfg.rollout.tensor_parallel_size}, {cfg.rollout.dtype}",
              f"sequences: {plan.prompt_tokens} prompt + {cfg.rollout.max_new_tokens} response "
-             f"tokens", "", "memory per trainer rank:"]
+             f"tokens", *plan.notes, "", "memory per trainer rank:"]
     lines += [f"  {k:<22}{gib(v)}" for k, v in plan.trainer.items()]
     e = plan.engine
     lines += ["memory per engine TP rank:",

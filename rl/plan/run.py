@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rl.plan.hardware import PRESETS, Hardware, load_hardware, measure_cpu, meminfo
-from rl.plan.plan import Cluster, Plan, make_plan, smallest_fix, with_changes
+from rl.plan.plan import Cluster, Plan, make_plan, resolve_auto, smallest_fix, with_changes
 from rl.plan.report import model_shape
 from rl.schema import Config
 
@@ -58,7 +58,9 @@ def plan_for(cfg: Config, overrides: list[str], hardware: str = "cpu",
     if hw.gpu:
         cfg = fill_devices(cfg, overrides, per_node * nodes)
     cluster = Cluster(hw, nodes, per_node)
+    note = resolve_auto(cfg, shape, cluster, prompt_tokens)
     plan = make_plan(cfg, shape, cluster, prompt_tokens, acceptance)
+    plan.notes += [note] if note else []
     fix = None if plan.fits else smallest_fix(cfg, shape, cluster, prompt_tokens)
     return plan, fix
 

@@ -66,7 +66,7 @@ def update_seconds(shape: ModelShape, hw: Hardware, s: StepShape, share_prompts:
     forward and backward; 8Φ with recompute), the critic's alike, at the calibrated fraction of
     the peak."""
     per_rank = s.samples / s.trainer_ranks
-    prompts = per_rank / s.group_size if share_prompts and not s.recompute else per_rank
+    prompts = per_rank / s.group_size if share_prompts else per_rank
     tokens = prompts * s.prompt_tokens + per_rank * s.response_tokens
     phi = shape.linear_params()
     flops = tokens * phi * (2 * s.scoring_passes + (8 if s.recompute else 6) * s.updates)

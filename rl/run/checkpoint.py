@@ -179,6 +179,8 @@ def check_resume(cfg: Config, point: ResumePoint, allow_change: bool) -> None:
     from dataclasses import asdict
 
     saved = load_config(str(point.checkpoint / "config.yaml"))
+    if cfg.trainer.gradient_checkpointing == "auto":  # a resume keeps the choice its run made
+        cfg.trainer.gradient_checkpointing = saved.trainer.gradient_checkpointing
     old, new = flat(asdict(saved)), flat(asdict(cfg))
     differ = [k for k in sorted(set(old) | set(new))
               if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]

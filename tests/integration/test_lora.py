@@ -41,7 +41,7 @@ def _run(rank: int, world_size: int, port: int, path: str, ckpt: str, out) -> No
     results = {}
     for stage in STAGES:
         cfg = TrainerConfig(lr=1e-2, micro_batch_size=12, **ZERO.get(stage, dict(zero_stage=stage)),
-                            lora=LoraConfig(rank=4, alpha=8.0))
+                            lora=LoraConfig(rank=4, alpha=8.0), gradient_checkpointing=True)
         trainer = PolicyTrainer(path, cfg, loss_cfg, grad_accum=1)
         before = {k: v.clone() for k, v in trainer._whole().items()}
         batch = collate(samples, 0, share_prompts=True)
@@ -58,7 +58,7 @@ def _run(rank: int, world_size: int, port: int, path: str, ckpt: str, out) -> No
             before=before, after=after, metrics=metrics, ref=prepared["ref_logprobs"],
             old=prepared["old_logprobs"], later=later, merged_probe=merged,
             mask=batch["response_mask"].bool(),
-            checkpointing=trainer.module.is_gradient_checkpointing,
+            checkpointing=trainer.module.is_gradient_checkpointing, shared=trainer.share_prompts,
             trainer_probe=trainer_probe,
             trained=[n for n, p in trainer.module.named_parameters() if p.requires_grad])
         del trainer
@@ -93,7 +93,7 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path):
         for stage in STAGES:
             s = r[stage]
             assert s["trained"] and all(".lora_" in n for n in s["trained"]), s["trained"][:4]
-            assert s["checkpointing"]  # LoRA's default: activations recomputed
+            assert s["checkpointing"] and s["shared"]  # recompute, with prompts shared
             moved = [n for n in s["before"] if not torch.equal(s["before"][n], s["after"][n])]
             assert moved and all(".lora_" in n for n in moved), moved[:4]
             assert len([n for n in moved if ".lora_B" in n]) == len(

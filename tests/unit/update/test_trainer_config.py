@@ -118,12 +118,13 @@ def test_the_default_bound_gathers_small_models_whole_and_bench_100m_by_module(p
     assert is_whole(model, TrainerConfig(), 1)
 
 
-def test_gradient_checkpointing_defaults_on_with_lora_only():
-    """LoRA is for memory, and the activations are most of what a LoRA trainer holds: its
-    default recomputes them; full fine-tuning keeps them (prompt sharing); a set value wins."""
+def test_gradient_checkpointing_is_auto_by_default_and_unresolved_auto_does_not_recompute():
+    """rl-train settles auto from its plan (rl.plan.plan.choose_checkpointing); the update
+    package alone reads auto as false; a set value wins, with LoRA too."""
     from update.config import LoraConfig
 
+    assert TrainerConfig().gradient_checkpointing == "auto"
     assert TrainerConfig().checkpointing() is False
-    assert TrainerConfig(lora=LoraConfig()).checkpointing() is True
-    assert TrainerConfig(lora=LoraConfig(), gradient_checkpointing=False).checkpointing() is False
-    assert TrainerConfig(gradient_checkpointing=True).checkpointing() is True
+    assert TrainerConfig(lora=LoraConfig()).checkpointing() is False
+    assert TrainerConfig(lora=LoraConfig(), gradient_checkpointing=True).checkpointing() is True
+    assert TrainerConfig(gradient_checkpointing=False).checkpointing() is False

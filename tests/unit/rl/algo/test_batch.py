@@ -148,14 +148,19 @@ def random_model_rounding(config) -> float:
     return rounding(2 * math.log(config.vocab_size), depth(config), width(config))
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 def test_check_shared_prompts_passes_on_a_real_model_and_fails_on_a_forward_that_drops_the_cache(
-        tiny_lm):
+        tiny_lm, recompute):
+    """Under recompute (gradient checkpointing, train mode) the check compares gradients too."""
+    import copy
+
     import torch
 
     from update.forward import check_shared_prompts
 
-    diff, error = check_shared_prompts(tiny_lm, tiny_lm.config.vocab_size)
-    assert diff <= random_model_rounding(tiny_lm.config) and error == ""
+    model = copy.deepcopy(tiny_lm)  # the check turns checkpointing on
+    diff, error = check_shared_prompts(model, model.config.vocab_size, recompute)
+    assert diff <= random_model_rounding(model.config) and error == ""
 
     class NoCache(torch.nn.Module):  # a model whose forward ignores past keys and values
         def __init__(self, inner):
@@ -165,7 +170,10 @@ def test_check_shared_prompts_passes_on_a_real_model_and_fails_on_a_forward_that
         def forward(self, past_key_values=None, **kw):
             return self.inner(**kw)
 
-    diff, _ = check_shared_prompts(NoCache(tiny_lm), tiny_lm.config.vocab_size)
+        def gradient_checkpointing_enable(self):
+            self.inner.gradient_checkpointing_enable()
+
+    diff, _ = check_shared_prompts(NoCache(model), model.config.vocab_size, recompute)
     assert diff > 0.1
 
 

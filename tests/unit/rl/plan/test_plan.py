@@ -7,7 +7,7 @@ import pytest
 
 from rl.config import load_config
 from rl.plan.hardware import PRESETS, Hardware
-from rl.plan.plan import Cluster, make_plan, smallest_fix, with_changes
+from rl.plan.plan import Cluster, make_plan, resolve_auto, smallest_fix, with_changes
 from rl.plan.shape import ModelShape
 from rl.plan.timing import speculation, step_seconds
 
@@ -47,6 +47,28 @@ def test_the_fix_for_a_15b_at_zero_0_on_this_kind_of_machine_fits():
     assert not make_plan(cfg, shape, Cluster(ram(8), 1, 1), 40).fits
 
 
+def test_auto_recomputes_exactly_where_the_activations_would_not_fit():
+    """trainer.gradient_checkpointing=auto: off where the plan fits without recompute (the
+    speed), on where only recompute makes it fit (the memory), for LoRA and full alike."""
+    shape = ModelShape.from_dir(LLAMA_7B)
+    for lora in ([], ["trainer.lora={rank: 8}"]):
+        cfg = load_config("recipes/quickstart.yaml", [f"model.path={LLAMA_7B}", *RL, *lora])
+        plain = with_changes(cfg, {"trainer.gradient_checkpointing": False})
+        sizes = [g for g in range(16, 2048, 4)
+                 if not make_plan(plain, shape, Cluster(ram(g), 1, 1), 512).fits
+                 and make_plan(with_changes(cfg, {"trainer.gradient_checkpointing": True}),
+                               shape, Cluster(ram(g), 1, 1), 512).fits]
+        assert sizes, "a machine where only recompute fits"
+        tight, roomy = Cluster(ram(sizes[0]), 1, 1), Cluster(ram(8192), 1, 1)
+        note = resolve_auto(cfg, shape, tight, 512)
+        assert cfg.trainer.gradient_checkpointing is True and "does not fit" in note, note
+        cfg.trainer.gradient_checkpointing = "auto"
+        note = resolve_auto(cfg, shape, roomy, 512)
+        assert cfg.trainer.gradient_checkpointing is False and "activations" in note, note
+        assert resolve_auto(cfg, shape, tight, 512) == ""  # a set value stays
+        assert cfg.trainer.gradient_checkpointing is False
+
+
 def test_more_memory_never_makes_a_plan_stop_fitting():
     cfg = load_config("recipes/quickstart.yaml", [f"model.path={LLAMA_7B}", *RL])
     shape = ModelShape.from_dir(LLAMA_7B)
@@ -82,6 +104,7 @@ def test_rl_plan_on_a_config_json_only_directory(model, nodes, capsys):
     assert plan["nodes"] == nodes and plan["devices_per_node"] == 8
     assert plan["time"]["step"]["sync"] > 0 and plan["engine"]["kv_blocks"] > 0
     assert plan["fits"] or plan["fix"]
+    assert plan["notes"][0].startswith("trainer.gradient_checkpointing=auto -> ")
 
 
 def test_rl_train_refuses_what_cannot_fit_before_ray_with_one_line(monkeypatch, capsys):
@@ -90,7 +113,9 @@ def test_rl_train_refuses_what_cannot_fit_before_ray_with_one_line(monkeypatch, 
 
     monkeypatch.setattr(rl.preflight, "local_hardware", lambda cfg: ram(12))
     code = main(["recipes/quickstart.yaml", f"model.path={LLAMA_7B}"])
-    err = capsys.readouterr().err.strip().splitlines()
+    out, err = capsys.readouterr()
+    assert "trainer.gradient_checkpointing=auto -> true: without recompute" in out
+    err = err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("rl-train: the plan does not fit")
     assert "needs" in err[0] and "has 11.4 GiB" in err[0] and "smallest fix:" in err[0]
     assert "run.fit_check=false" in err[0]
