@@ -43,6 +43,21 @@ def _unset_section_keys(parent: str) -> str:
         kind) else ""
 
 
+def _field_types(key: str) -> tuple:
+    """The types a Union field of the schema takes (trainer.gradient_checkpointing: bool, str);
+    () for any other field."""
+    import typing
+
+    kind = Config
+    for part in key.split("."):
+        hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+        if part not in hints:
+            return ()
+        kind = hints[part]
+    args = typing.get_args(kind) if typing.get_origin(kind) is typing.Union else ()
+    return tuple(a for a in args if a is not type(None) and not dataclasses.is_dataclass(a))
+
+
 def _set_at(layer, key: str, prefix: str = "") -> str | None:
     """The dotted path (list items as [i]) where a layer (a recipe or the overrides) sets `key`,
     searched depth first; None when it does not."""
@@ -91,7 +106,8 @@ def _explain(e, schema, path: str | None, overrides=(), layers=()) -> str:
         return (f"config key '{key}'{where} is not known: {first}; known keys"
                 f"{' in ' + parent if parent else ''}: {known}")
     default = OmegaConf.select(schema, key, default=None)
-    hint = f"; give a {type(default).__name__} like the default {default!r}" \
+    kinds = _field_types(key) or (type(default),)
+    hint = f"; give a {' or '.join(k.__name__ for k in kinds)} like the default {default!r}" \
         if isinstance(default, (int, float, str, bool)) else ""
     return f"config key '{key}'{where} has a wrong value: {first}{hint}"
 

@@ -32,6 +32,9 @@ def test_defaults_and_overrides():
     ("sync.checksum=md5", "sync.checksum='md5' is not known; use one of: sum64, crc32"),
     ("rollout.cpu_linear=fast", "rollout.cpu_linear='fast' is not known; use one of: auto, plain, "
                                 "repack, packed"),
+    ("trainer.gradient_checkpointing=sometimes",
+     "trainer.gradient_checkpointing='sometimes': use true, false or auto"),
+    ("trainer.gradient_checkpointing=1", "give a bool or str like the default 'auto'"),
 ])
 def test_bad_config_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
