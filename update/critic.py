@@ -1,7 +1,7 @@
 """PPO's critic: a value head on the policy's architecture, trained on its own DeepSpeed engine.
 
 Its weights never go to the rollout engine. It scores a micro-batch as the policy does
-(update.forward.response_logits, in either layout): the value head is a one-entry vocabulary.
+(update.forward.response_parts, in either layout): the value head is a one-entry vocabulary.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
+from update.mlp import lean_gated_mlps
 from update.trainer import load_engine, save_engine, scoring, shares_prompts, zero_engine
 
 
@@ -21,6 +22,7 @@ class ValueModel(torch.nn.Module):
         from transformers import AutoModel
 
         self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        lean_gated_mlps(self.backbone)
         self.value_head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.value_head.weight)  # start at V = 0 (as OpenRLHF's critic)
         torch.nn.init.zeros_(self.value_head.bias)
@@ -42,6 +44,11 @@ class ValueModel(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self.backbone.device
+
+
+def _values_of(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[B, R] values from response_parts' [B, r, 1] pieces."""
+    return torch.cat([part[..., 0] for part in parts], 1)
 
 
 class ValueTrainer:
@@ -68,7 +75,7 @@ class ValueTrainer:
         engine (default), or what `scoring` gives."""
         if not self.share_prompts:
             mb = full_layout(mb)
-        return (model or self.engine)(mb=mb)[..., 0]
+        return (model or self.engine)(mb=mb, score=_values_of)
 
     @torch.no_grad()
     def prepare(self, micro_batches: list[dict]) -> list[dict]:

@@ -29,9 +29,42 @@ from transformers.cache_utils import DynamicLayer
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """log p(targets[b, t]) under logits[b, t]: [B, T, V] logits, [B, T] ids -> [B, T]."""
-    logits = logits.float() / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(targets[b, t]) under logits[b, t] / temperature: [B, T, V] logits, [B, T] ids ->
+    [B, T] (TokenLogprob: the same numbers as autograd's, without its copies of the logits)."""
+    return TokenLogprob.apply(logits, targets, float(temperature))
+
+
+class TokenLogprob(torch.autograd.Function):
+    """z[target] - logsumexp(z), z = logits / temperature in float32. Autograd keeps the scaled
+    float32 logits for logsumexp's backward, and its backward makes the exponentials, the
+    gather's scatter and their sum, each [B, T, V]: beside a micro-batch's activations these
+    were the trainer's largest tensors (SmolLM2's vocabulary of 49,152: 192 MiB each for 16 x 64
+    tokens). This keeps the logits it is given and lse, and its backward writes one tensor in
+    place: the gradient, -g · softmax(z) + g at the target, over the temperature."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        z = logits.float()
+        if temperature != 1.0:
+            z = z / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        lp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        t = ctx.temperature
+        z = logits.float()
+        z = z / t if t != 1.0 else (z.clone() if z is logits else z)
+        g = grad.unsqueeze(-1)
+        z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # -g · softmax
+        z.scatter_add_(-1, targets.unsqueeze(-1), g)
+        if t != 1.0:
+            z.div_(t)
+        return z.to(logits.dtype), None, None
 
 
 def is_shared(mb: dict) -> bool:
@@ -61,15 +94,35 @@ def full_layout(mb: dict) -> dict:
 
 
 def response_logits(model, mb: dict) -> torch.Tensor:
-    """[B, R, V] logits whose row t scores response token t (the full layout keeps logits for
-    the last R + 1 positions only: position P - 1 scores the first response token)."""
+    """[B, R, V] logits whose row t scores response token t (response_parts, joined)."""
+    parts = response_parts(model, mb)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def response_parts(model, mb: dict) -> list[torch.Tensor]:
+    """response_logits in pieces along the response axis, never joined (a join is a copy of
+    the logits): the full layout one [B, R, V] (it keeps logits for the last R + 1 positions
+    only: position P - 1 scores the first response token), the shared one the prompts' last
+    position [B, 1, V] and the responses' [B, R - 1, V]."""
     dev = next(model.parameters()).device
     if not is_shared(mb):
         out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
                     position_ids=mb["position_ids"].to(dev),
                     logits_to_keep=mb["response_mask"].shape[1] + 1, use_cache=False)
-        return out.logits[:, :-1]
+        return [out.logits[:, :-1]]
     return _shared_prompt_logits(model, mb, dev)
+
+
+def part_logprobs(parts: list[torch.Tensor], targets: torch.Tensor,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """[B, R] token_logprobs of response_parts' pieces against the [B, R] targets."""
+    out, start = [], 0
+    for part in parts:
+        width = part.shape[1]
+        out.append(token_logprobs(part, targets[:, start:start + width].to(part.device),
+                                  temperature))
+        start += width
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 class PromptKV(DynamicLayer):
@@ -109,7 +162,7 @@ def allow_recompute_with_cache(model: torch.nn.Module) -> None:
             m._can_checkpoint_with_cache = True
 
 
-def _shared_prompt_logits(model, mb: dict, dev) -> torch.Tensor:
+def _shared_prompt_logits(model, mb: dict, dev) -> list[torch.Tensor]:
     from transformers.cache_utils import Cache
 
     prompt_mask = mb["prompt_attention_mask"].to(dev)
@@ -122,7 +175,7 @@ def _shared_prompt_logits(model, mb: dict, dev) -> torch.Tensor:
     responses = mb["response_ids"].to(dev)
     r = responses.shape[1]
     if r == 1:
-        return first
+        return [first]
     shared = Cache(layers=[ResponseKV(layer, index) for layer in cache.layers])
     inputs = responses[:, :-1]  # the last response token scores nothing
     attention = torch.cat([prompt_mask[index],
@@ -131,7 +184,7 @@ def _shared_prompt_logits(model, mb: dict, dev) -> torch.Tensor:
     positions = start[:, None] + torch.arange(r - 1, device=dev)[None, :]
     rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
                  past_key_values=shared, use_cache=True).logits  # [B, R - 1, V]
-    return torch.cat([first, rest], 1)
+    return [first, rest]
 
 
 def check_model_class(config, recompute: bool = False) -> tuple[float, str]:
@@ -204,8 +257,7 @@ def _score(model, mb: dict, backward: bool) -> tuple[torch.Tensor, list]:
     """(token logprobs, and with `backward` the gradients of their masked sum)."""
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.set_grad_enabled(backward):
-        lp = token_logprobs(response_logits(model, mb), response_targets(mb).to(
-            next(model.parameters()).device))
+        lp = part_logprobs(response_parts(model, mb), response_targets(mb))
         if not backward:
             return lp, []
         grads = torch.autograd.grad((lp * mb["response_mask"].to(lp.device)).sum(), params)

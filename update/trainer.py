@@ -18,9 +18,10 @@ import torch
 
 from update.config import LossConfig, TrainerConfig
 from update.forward import (allow_recompute_with_cache, check_model_class, full_layout, is_shared,
-                            response_logits, response_targets, token_logprobs)
+                            part_logprobs, response_parts, response_targets, token_logprobs)
 from update.losses import (BatchCounts, LossInputs, add_metrics, nll_loss, old_logprob_metrics,
                            policy_loss)
+from update.mlp import lean_gated_mlps
 
 # MicroBatch keys (rl.algo.batch.collate): the tokens in one of two layouts (update.forward: full,
 # or shared prompts); response-only token-level [B, R] float tensors: response_mask (1 on
@@ -166,14 +167,17 @@ class Body(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, anchor: torch.Tensor | None, *args, mb: dict | None = None, **kwargs):
+    def forward(self, anchor: torch.Tensor | None, *args, mb: dict | None = None,
+                score=None, **kwargs):
         handle = None
         if anchor is not None:
             one = anchor * 0 + 1
             embed = self.model.get_input_embeddings()
             handle = embed.register_forward_hook(lambda _m, _i, out: out * one)
         try:
-            return self.model(*args, **kwargs) if mb is None else response_logits(self.model, mb)
+            if mb is None:
+                return self.model(*args, **kwargs)
+            return score(response_parts(self.model, mb))
         finally:
             if handle is not None:
                 handle.remove()
@@ -182,8 +186,11 @@ class Body(torch.nn.Module):
 class EngineModule(torch.nn.Module):
     """What each DeepSpeed engine wraps: the model (`.model`), called once per micro-batch.
 
-    `engine(mb=mb)` scores a micro-batch's responses ([B, R, V] logits; the shared-prompt layout
-    runs the model twice, prompts then responses on their cache); other arguments go to the
+    `engine(mb=mb, score=f)` scores a micro-batch's responses: f maps the [B, R, V] logits, in
+    pieces (update.forward.response_parts), to one tensor, e.g. the token logprobs, so that the
+    logits are never joined and ZeRO-3 sees one output (a leaf module with two outputs reduced
+    its gradients after the first one's backward); the shared-prompt layout runs the model
+    twice, prompts then responses on their cache; other arguments go to the
     model's own forward. Inside one call of this module the two runs are one forward to ZeRO-3,
     which starts its step at each forward of the module it wraps: calling the model twice
     directly began a new step mid-forward, so ZeRO-3's record of module order never held from
@@ -436,6 +443,7 @@ class PolicyTrainer:
             from update.lora import add_adapters
 
             self.peft = add_adapters(model, cfg.lora, seed)  # in place: `model` holds the adapters
+        lean_gated_mlps(model)  # one tensor fewer kept per MLP, the same numbers (update.mlp)
         if cfg.checkpointing():
             model.gradient_checkpointing_enable()
             allow_recompute_with_cache(model)  # shared prompts under recompute (update.forward)
@@ -468,11 +476,17 @@ class PolicyTrainer:
 
         if is_shared(mb) and not self.share_prompts:
             mb = full_layout(mb)
-        logits = engine(mb=mb)  # [B, R, V]
-        logprobs = token_logprobs(logits, response_targets(mb).to(logits.device),
-                                  self.temperature)
-        ent = entropy_from_logits(logits / self.temperature) if entropy else None
-        return logprobs, ent
+        targets, t = response_targets(mb), self.temperature
+
+        def score(parts: list[torch.Tensor]) -> torch.Tensor:  # [B, R], or [2, B, R] with entropy
+            logprobs = part_logprobs(parts, targets, t)
+            if not entropy:
+                return logprobs
+            ent = torch.cat([entropy_from_logits(p / t) for p in parts], 1)
+            return torch.stack([logprobs, ent])
+
+        out = engine(mb=mb, score=score)
+        return (out[0], out[1]) if entropy else (out, None)
 
     def _check_accum(self, micro_batches: list[dict]) -> None:
         if len(micro_batches) != self.grad_accum:

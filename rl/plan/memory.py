@@ -14,15 +14,15 @@ from rl.plan.shape import ModelShape
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # elements a decoder layer keeps per token for its backward (HF Llama/Qwen2 with SDPA): the two
 # norms' inputs and outputs (4h), q, k, v and the rotated q, k (2q + 3kv, q = h), attention's
-# output (h), the residual (h), the MLP's gate, up, act(gate) and act(gate)*up (4I); calibrated
-# against measured peaks (docs/planning.md)
+# output (h), the residual (h), the MLP's gate, up and act(gate)*up (3I: update.mlp recomputes
+# act(gate) in the backward); calibrated against measured peaks (docs/planning.md)
 def layer_activation_elements(s: ModelShape) -> int:
-    return 4 * s.hidden + 2 * s.q_dim + 3 * s.kv_dim + 2 * s.hidden + 4 * s.intermediate
+    return 4 * s.hidden + 2 * s.q_dim + 3 * s.kv_dim + 2 * s.hidden + 3 * s.intermediate
 
 
-# float32 copies of the response logits the loss holds at once: the logits cast to float32, the
-# logsumexp's exponentials, and their gradient
-LOGIT_COPIES = 3
+# float32 copies of the response logits the loss holds at once: the logits its backward reads,
+# and the gradient that backward writes in place (update.forward.TokenLogprob)
+LOGIT_COPIES = 2
 
 
 @dataclass(frozen=True)

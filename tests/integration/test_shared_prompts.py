@@ -1,8 +1,8 @@
 """The shared-prompt update (each prompt run once, its responses on the cached keys and values)
 equals the full layout's on real DeepSpeed ZeRO-3 engines, 2 ranks over gloo as in the
 quickstart: same old and reference logprobs, loss, KL, grad norm and updated weights; under
-gradient checkpointing too (the policy, and LoRA's reference: the base with its adapters off),
-and for PPO's critic (its values and value loss)."""
+gradient checkpointing too (the policy with an entropy bonus, and LoRA's reference: the base
+with its adapters off), and for PPO's critic (its values and value loss)."""
 import pytest
 
 from tests.spawn import spawn_world
@@ -92,18 +92,20 @@ def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
     init_distributed(rank, world_size, "127.0.0.1", port)
     samples, counts = rank_samples(rank, world_size)
     loss_cfg = LossConfig(kl_coef=0.05, kl_estimator="k3")
-    cases = {"policy": (_policy, TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=3)),
+    with_entropy = LossConfig(kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    cases = {"policy": (_policy, TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=3),
+                        loss_cfg),
              "recompute": (_policy, TrainerConfig(lr=1e-2, micro_batch_size=12, zero_stage=3,
-                                                  gradient_checkpointing=True)),
+                                                  gradient_checkpointing=True), with_entropy),
              "lora_recompute": (_policy, TrainerConfig(
                  lr=1e-2, micro_batch_size=12, zero_stage=3, gradient_checkpointing=True,
-                 lora=LoraConfig(rank=4, alpha=8.0))),
+                 lora=LoraConfig(rank=4, alpha=8.0)), loss_cfg),
              "critic": (_critic, TrainerConfig(critic_lr=1e-2, micro_batch_size=12,
-                                               zero_stage=3))}
+                                               zero_stage=3), loss_cfg)}
     mask = collate(samples, 0)["response_mask"]
     results = {}  # out is a process-shared dict: set whole, once
-    for name, (run, cfg) in cases.items():
-        full, shared = (run(path, samples, counts, cfg, loss_cfg, share) for share in (False, True))
+    for name, (run, cfg, loss) in cases.items():
+        full, shared = (run(path, samples, counts, cfg, loss, share) for share in (False, True))
         prep0, prep1 = full["prepared"], shared["prepared"]
         results[name] = {
             "shared_on": shared["shared_on"], "rows": shared.get("rows"),

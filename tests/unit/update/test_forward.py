@@ -1,0 +1,63 @@
+"""update.forward.token_logprobs: autograd's numbers (forward and gradient, any temperature and
+dtype) without autograd's float32 copies of the logits."""
+import pytest
+import torch
+
+from update.forward import part_logprobs, token_logprobs
+
+
+def reference(logits, targets, temperature):
+    z = logits.float() / temperature
+    return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equal_autograds_values_and_gradients_bit_for_bit(temperature):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5), generator=gen)
+    weights = torch.randn(3, 5, generator=gen)
+    ours = token_logprobs(logits, targets, temperature)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    theirs = reference(logits, targets, temperature)
+    (grad_theirs,) = torch.autograd.grad((theirs * weights).sum(), logits)
+    assert torch.equal(ours, theirs)
+    # the same operations on the same numbers: -g·exp(z - lse), plus g at the target, over T
+    assert torch.equal(grad_ours, grad_theirs)
+
+
+def test_token_logprobs_gradcheck_in_float64_and_bf16_logits_get_a_bf16_gradient():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3), generator=gen)
+    # float64 in, float32 inside (the policy's logprobs are float32 whatever the model's dtype)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, targets, 0.9).double(),
+                                    (logits,), eps=1e-3, atol=1e-4, rtol=1e-3)
+    half = logits.detach().bfloat16().requires_grad_()
+    token_logprobs(half, targets).sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+
+
+def test_token_logprobs_keeps_no_copy_of_the_logits_for_its_backward():
+    """What the graph keeps beyond the logits themselves is [B, T]-sized (autograd's formula
+    keeps the float32 logits over T, a [B, T, V] copy)."""
+    logits = torch.randn(4, 6, 1000, requires_grad=True)
+    targets = torch.randint(0, 1000, (4, 6))
+    kept = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+            kept.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(logits, targets, 0.8)
+    assert sum(kept) <= 2 * 4 * 6, kept
+
+
+def test_part_logprobs_scores_each_piece_against_its_own_targets():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5, 9, generator=gen)
+    targets = torch.randint(0, 9, (2, 5), generator=gen)
+    whole = token_logprobs(logits, targets)
+    assert torch.equal(part_logprobs([logits[:, :1], logits[:, 1:]], targets), whole)
