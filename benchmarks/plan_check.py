@@ -19,7 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 # update_zero.py's rows as config overrides, and its workload: per rank 16 prompts of 18-24
 # tokens x 8 responses of 2-8 tokens in one micro-batch of 128, a KL reference, one pass
-ROW_OVERRIDES = {"0": ["trainer.zero_stage=0"], "2": ["trainer.zero_stage=2"],
+ROW_OVERRIDES = {"0": ["trainer.zero_stage=0"],
+                 "0-recompute": ["trainer.zero_stage=0", "trainer.gradient_checkpointing=true"],
+                 "2": ["trainer.zero_stage=2"],
                  "3": ["trainer.zero_stage=3"],
                  "3-whole": ["trainer.zero_stage=3", "trainer.zero3_whole_model_max=1000000000"],
                  "3-modules": ["trainer.zero_stage=3", "trainer.zero3_whole_model_max=0"]}
@@ -37,7 +39,7 @@ def predicted_mib(model: str, row: str, ranks: int) -> float:
 
     cfg = load_config(None, [f"model.path=builtin:{model}", f"ray.num_workers={ranks}",
                              f"rollout.prompts_per_step={16 * ranks}", *WORKLOAD,
-                             *ROW_OVERRIDES[row]])
+                             "trainer.gradient_checkpointing=false", *ROW_OVERRIDES[row]])
     shape = model_shape(str(build_tiny_model(model)))
     plan = make_plan(cfg, shape, Cluster(cached_cpu(cache_root()), 1, 1), prompt_tokens=24)
     return plan.process_rss() / 2 ** 20

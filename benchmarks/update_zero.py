@@ -56,7 +56,8 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-ROWS = {"0": dict(zero_stage=0), "2": dict(zero_stage=2), "3": dict(zero_stage=3),
+ROWS = {"0": dict(zero_stage=0), "0-recompute": dict(zero_stage=0, gradient_checkpointing=True),
+        "2": dict(zero_stage=2), "3": dict(zero_stage=3),
         "3-whole": dict(zero_stage=3, zero3_whole_model_max=10**9),
         "3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
 
