@@ -57,8 +57,8 @@ class TokenLogprob(torch.autograd.Function):
     def backward(ctx, grad):
         logits, targets, lse = ctx.saved_tensors
         t = ctx.temperature
-        z = logits.float()
-        z = z / t if t != 1.0 else (z.clone() if z is logits else z)
+        z = logits.float()  # a copy unless float32: the in-place steps below must not touch
+        z = z / t if t != 1.0 else (z.clone() if z is logits else z)  # the saved logits
         g = grad.unsqueeze(-1)
         z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # -g · softmax
         z.scatter_add_(-1, targets.unsqueeze(-1), g)
