@@ -208,51 +208,47 @@ def local_hardware(cfg: Config):
                     bf16_flops=1e11, fp32_flops=1e11, intra_link=1e10, inter_link=1e9, gpu=False)
 
 
-def resolve_checkpointing(cfg: Config, rows: list[dict]) -> None:
-    """trainer.gradient_checkpointing=auto, settled from the run's plan on this machine
-    (rl.plan.plan.choose_checkpointing) and printed; false where there is no plan to ask (a Ray
-    cluster, a config.json the planner cannot read)."""
-    if cfg.trainer.gradient_checkpointing != "auto":
-        return
-    from rl.plan.plan import Cluster, resolve_auto
+def plan_inputs(cfg: Config, rows: list[dict]):
+    """(the model's shape, this machine as a cluster, the longest prompt's estimated tokens)
+    for the run's plan; None where its workers run elsewhere (local_hardware). A config.json
+    the planner cannot read raises ValueError."""
+    hw = local_hardware(cfg)
+    if hw is None:
+        return None
+    from rl.plan.plan import Cluster
     from rl.plan.report import model_shape
     from rl.plan.run import estimated_prompt_tokens
 
-    hw = local_hardware(cfg)
-    why = "no local memory to plan against (a Ray cluster); set true where memory is short"
-    if hw is not None:
-        try:
-            shape = model_shape(cfg.model.path)
-        except ValueError as e:
-            why = f"no plan ({e})"
-        else:
-            cluster = Cluster(hw, 1, 1)
-            print(resolve_auto(cfg, shape, cluster, estimated_prompt_tokens(cfg, rows)),
-                  flush=True)
-            return
+    return model_shape(cfg.model.path), Cluster(hw, 1, 1), estimated_prompt_tokens(cfg, rows)
+
+
+def resolve_checkpointing(cfg: Config, inputs, why: str) -> None:
+    """trainer.gradient_checkpointing=auto, settled from the run's plan on this machine
+    (`inputs`: plan_inputs; rl.plan.plan.choose_checkpointing) and printed; false where there
+    is no plan to ask, for the reason `why`."""
+    if cfg.trainer.gradient_checkpointing != "auto":
+        return
+    if inputs is not None:
+        from rl.plan.plan import resolve_auto
+
+        print(resolve_auto(cfg, *inputs), flush=True)
+        return
     cfg.trainer.gradient_checkpointing = False
     print(f"trainer.gradient_checkpointing=auto -> false: {why}", flush=True)
 
 
-def check_fit(cfg: Config, rows: list[dict]) -> None:
-    """The run's plan (rl.plan) against this machine's memory: one line with the need, the
-    capacity and the smallest fix when it does not fit (run.fit_check=false skips it)."""
-    if not cfg.run.fit_check:
+def check_fit(cfg: Config, inputs) -> None:
+    """The run's plan (rl.plan; `inputs`: plan_inputs) against this machine's memory: one line
+    with the need, the capacity and the smallest fix when it does not fit (run.fit_check=false
+    skips it)."""
+    if not cfg.run.fit_check or inputs is None:
         return
-    hw = local_hardware(cfg)
-    if hw is None:
-        return
-    from rl.plan.plan import Cluster, fix_text, make_plan, smallest_fix
-    from rl.plan.report import model_shape
-    from rl.plan.run import estimated_prompt_tokens
+    from rl.plan.plan import fix_text, make_plan, smallest_fix
 
-    shape = model_shape(cfg.model.path)
-    prompt = estimated_prompt_tokens(cfg, rows)
-    cluster = Cluster(hw, 1, 1)
-    plan = make_plan(cfg, shape, cluster, prompt)
+    plan = make_plan(cfg, *inputs)
     if plan.fits:
         return
-    fix = smallest_fix(cfg, shape, cluster, prompt)
+    fix = smallest_fix(cfg, *inputs)
     raise ConfigError(f"the plan does not fit this machine: {plan.short}; smallest fix: "
                       f"{fix_text(fix) if fix else 'none found (more memory or devices)'} "
                       f"(rl-plan shows the plan; run.fit_check=false skips this check)")
@@ -272,13 +268,17 @@ def preflight(cfg: Config):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     check_model_path(cfg)
-    try:
-        resolve_checkpointing(cfg, rows.train)
-        check_fit(cfg, rows.train)
-    except ConfigError:
-        raise
-    except ValueError as e:  # a config.json the planner cannot read: vLLM's checks come later
-        print(f"rl-train: no plan ({e})", file=sys.stderr, flush=True)
+    inputs = None
+    why = "no local memory to plan against (a Ray cluster); set true where memory is short"
+    if cfg.run.fit_check or cfg.trainer.gradient_checkpointing == "auto":
+        try:
+            inputs = plan_inputs(cfg, rows.train)
+        except ValueError as e:  # a config.json the planner cannot read: vLLM's checks come later
+            if cfg.run.fit_check:
+                print(f"rl-train: no plan ({e})", file=sys.stderr, flush=True)
+            why = f"no plan ({e})"
+    resolve_checkpointing(cfg, inputs, why)
+    check_fit(cfg, inputs)
     check_tensor_parallel(cfg)
     check_env(cfg)
     check_ray_address(cfg)
