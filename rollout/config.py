@@ -49,9 +49,11 @@ class RolloutConfig:
      "KV heads, intermediate size and padded vocab must divide it.")
     cpu_linear: str = "auto"
     ("CPU linears: repack (oneDNN's packed kernels, the weights kept beside them: syncs copy into "
-     "the weights and re-pack), plain (F.linear on the weights as loaded: syncs copy, no re-pack; "
-     "1.6x slower generation on SmolLM2-135M on one thread), packed (vLLM's own: weights dropped "
-     "after packing, syncs go through vLLM's reload), or auto (repack).")
+     "the weights and re-pack; the linears' weights held twice), plain (F.linear on the weights as "
+     "loaded: syncs copy, no re-pack; 1.6x slower generation on SmolLM2-135M on one thread), "
+     "packed (vLLM's own: weights dropped after packing, syncs go through vLLM's reload), or auto "
+     "(packed where a TP-1 engine serves a LoRA adapter, whose base weights no sync writes; else "
+     "repack).")
     enforce_eager: Optional[bool] = None
     ("Run the model eagerly (True) or compiled (False): on GPU vLLM's CUDA graphs, on CPU its "
      "torch.compile (inductor) graph, cached under ~/.cache/vllm after the first build; None: "
@@ -85,9 +87,12 @@ class RolloutConfig:
     choices_key: str = "choices"
     "Row field with a list of strings, one of which the output must be."
 
-    def cpu_linear_mode(self) -> str:
-        """How a CPU engine runs its linears: plain, repack or packed (see cpu_linear)."""
-        return "repack" if self.cpu_linear == "auto" else self.cpu_linear
+    def cpu_linear_mode(self, lora_adapter: bool = False) -> str:
+        """How a CPU engine runs its linears: plain, repack or packed (see cpu_linear);
+        lora_adapter: the engine serves a LoRA adapter (syncs move the adapter, never the base)."""
+        if self.cpu_linear != "auto":
+            return self.cpu_linear
+        return "packed" if lora_adapter and self.tensor_parallel_size == 1 else "repack"
 
     def speculative_config(self) -> dict | None:
         """vLLM's speculative_config for the chosen method."""

@@ -224,7 +224,7 @@ class VLLMEngine:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             install_cpu_linear_dispatch()
             tolerate_proxy_modules()
-            set_cpu_linear_mode(cfg.cpu_linear_mode())
+            set_cpu_linear_mode(cfg.cpu_linear_mode(lora_adapter=lora_rank > 0))
         self.tp_size = cfg.tensor_parallel_size
         tp_kwargs, engine_env = {}, {}
         self.core_binding = None  # a TP engine's ranks' cores on CPU, "0|1"
@@ -238,7 +238,7 @@ class VLLMEngine:
                     raise ValueError(f"core_binding={self.core_binding!r} binds "
                                      f"{len(self.core_binding.split('|'))} ranks, not "
                                      f"{self.tp_size}: separate each TP rank's cores by '|'")
-                engine_env = {CPU_LINEAR_ENV: cfg.cpu_linear_mode(),
+                engine_env = {CPU_LINEAR_ENV: cfg.cpu_linear_mode(lora_adapter=lora_rank > 0),
                               "VLLM_CPU_OMP_THREADS_BIND": self.core_binding}
         from vllm import LLM, envs
 

@@ -98,6 +98,8 @@ class RolloutRole(Role):
 
             self.engine.set_weight_placer(place)
             self.direct_load = True
+        elif self.engine.lora_rank and not self.engine.weights_in_place():
+            return  # syncs move the adapter alone: the base stays as packed at load (cpu_linear)
         elif self.engine.weights_in_place() and DirectLoad.supports(config.model_type):
             spec = TPSpec.from_hf_config(config, tp_size=1)
             self.engine.set_weight_placer(DirectLoad(self.engine.parameters(), spec))

@@ -147,6 +147,7 @@ def test_lora_syncs_pass_the_probe_and_a_skipped_one_is_caught(ray_session, plac
     probe agrees; `adapters` moves the adapter's bytes only, into a new vLLM adapter per
     version, the old one removed), and after a real step without a sync the engines' stale
     adapter is caught by the probe."""
+    from rl.plan.shape import ModelShape
     from tests.integration.test_weight_sync import colocated, update_once
     from weight_sync.verify import SyncVerificationError, check_logprobs
 
@@ -154,10 +155,11 @@ def test_lora_syncs_pass_the_probe_and_a_skipped_one_is_caught(ray_session, plac
     probe = list(range(3, 60))
     with colocated(placements, tmp_path_factory, "tiny-qwen2", 5, "trainer.lora.rank=4",
                    f"sync.lora={mode}", "algorithm.loss.kl_coef=0.01") as (
-            workers, cfg, placement, _):
+            workers, cfg, placement, path):
         tolerance = placement.measure_probe_noise(probe)["sync/tolerance"]
-        full_bytes = ray.get(workers[0].__ray_call__.remote(
-            lambda self: sum(p.numel() * 4 for n, p in self.engine.parameters().items())))
+        # what a full sync moves (not the engine's parameters: an engine serving an adapter
+        # keeps its base packed away, rollout.cpu_linear)
+        full_bytes = ModelShape.from_dir(path).params() * 4
         for version in (1, 2):
             update_once(ray, workers)
             for trainer, engine in placement.probe_pairs(probe):  # not synced: stale
