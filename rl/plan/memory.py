@@ -166,6 +166,8 @@ class EngineSide:
     kv_cap_bytes: float | None  # CPU: rollout.kv_cache_gib; GPU: None (the memory fraction)
     memory_fraction: float  # GPU: rollout.gpu_memory_utilization of the device
     seq_tokens: int  # a sequence's tokens (prompt + response)
+    # CPU with rollout.cpu_linear=repack: oneDNN's packed copy of each linear beside its weight
+    kept_weights: bool = False
 
 
 def kv_bytes_per_token_per_rank(shape: ModelShape, e: EngineSide) -> float:
@@ -175,10 +177,13 @@ def kv_bytes_per_token_per_rank(shape: ModelShape, e: EngineSide) -> float:
 
 
 def engine_memory(shape: ModelShape, e: EngineSide, device_bytes: float) -> dict:
-    """One engine TP rank: its weights, its KV budget (CPU: what max_num_seqs sequences of
+    """One engine TP rank: its weights (on CPU with cpu_linear=repack, the linears twice: the
+    weights syncs write into and oneDNN's packed copy), its KV budget (CPU: what max_num_seqs sequences of
     max_model_len tokens take, at most the cap, as rollout.vllm_engine.kv_cache_bytes; GPU: the
     memory fraction less the weights), the blocks and the sequences held at once."""
     weights = shape.params() * DTYPE_BYTES[e.dtype] / e.tp
+    if e.kept_weights:  # the linears (the layers' and the head's) packed beside their weights
+        weights += shape.linear_params() * DTYPE_BYTES[e.dtype] / e.tp
     per_token = kv_bytes_per_token_per_rank(shape, e)
     if e.kv_cap_bytes is not None:
         whole = shape.kv_bytes_per_token(DTYPE_BYTES[e.dtype])  # all ranks' heads

@@ -92,7 +92,15 @@ def engine_side(cfg: Config, gpu: bool, prompt_tokens: int) -> EngineSide:
                       max_num_seqs=GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS,
                       kv_cap_bytes=None if gpu else r.kv_cache_gib * GIB,
                       memory_fraction=r.gpu_memory_utilization,
-                      seq_tokens=prompt_tokens + r.max_new_tokens)
+                      seq_tokens=prompt_tokens + r.max_new_tokens,
+                      kept_weights=not gpu and r.cpu_linear_mode(
+                          lora_adapter=adapter_synced(cfg)) == "repack")
+
+
+def adapter_synced(cfg: Config) -> bool:
+    """Syncs move a LoRA adapter, never the engines' base weights (trainer.lora, sync.lora
+    adapters)."""
+    return cfg.trainer.lora is not None and cfg.sync.lora == "adapters"
 
 
 def engines(cfg: Config) -> int:
@@ -167,7 +175,10 @@ def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
                   micro_batches=grad_accum_steps(cfg) * a.num_mini_batches,
                   scoring_passes=int(not a.one_pass()) + int(plan.trainer.get("reference", 0) > 0)
                   + int(a.critic), updates=a.ppo_epochs, recompute=cfg.trainer.checkpointing(),
-                  critic=a.critic)
+                  critic=a.critic,
+                  adapter_params=shape.lora_params(cfg.trainer.lora.rank,
+                                                   list(cfg.trainer.lora.target_modules))
+                  if adapter_synced(cfg) else 0)
     r = rollout_seconds(shape, hw, s, plan.engine["max_sequences"], plan.engine["kv_per_token"])
     u = update_seconds(shape, hw, s, cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1)
     across = cfg.placement == "disaggregated" and plan.cluster.nodes > 1
@@ -216,6 +227,8 @@ def candidate_fixes(cfg: Config) -> list[dict]:
         out.append({"rollout.kv_cache_gib": max(0.25, r.kv_cache_gib / 4)})
     if r.gpu_memory_utilization > 0.2:
         out.append({"rollout.gpu_memory_utilization": round(r.gpu_memory_utilization / 2, 2)})
+    if r.cpu_linear_mode(lora_adapter=adapter_synced(cfg)) == "repack":  # CPU engines only
+        out.append({"rollout.cpu_linear": "plain"})  # the linears once, not beside a packed copy
     if r.dtype == "float32":
         out.append({"rollout.dtype": "bfloat16"})
     if t.dtype == "float32":
@@ -223,6 +236,8 @@ def candidate_fixes(cfg: Config) -> list[dict]:
     out.append({"rollout.tensor_parallel_size": r.tensor_parallel_size * 2})
     if t.lora is None:
         out.append({"trainer.lora": LoraConfig()})
+        # syncs move the adapter alone: a CPU engine keeps its base packed, once
+        out.append({"trainer.lora": LoraConfig(), "sync.lora": "adapters"})
     out.append({"ray.num_workers": cfg.ray.num_workers * 2})
     return out
 

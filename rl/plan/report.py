@@ -20,7 +20,7 @@ def model_shape(path: str) -> ModelShape:
         p = PRESETS[name]
         return ModelShape(hidden=p.hidden_size, layers=p.num_layers, heads=p.num_heads,
                           kv_heads=p.num_kv_heads, head_dim=p.hidden_size // p.num_heads,
-                          intermediate=p.intermediate_size, vocab=p.vocab_size,
+                          intermediate=p.intermediate_size, vocab=p.vocab_rows,
                           tied=p.tie_word_embeddings, qkv_bias=p.arch == "qwen2",
                           model_type=p.arch)
     if path.startswith("builtin:") and name in GGUF_SHAPES:

@@ -27,6 +27,7 @@ class StepShape:
     updates: int  # ppo_epochs: each a forward and a backward
     recompute: bool
     critic: bool
+    adapter_params: int = 0  # > 0: syncs move a LoRA adapter of this size, the base never
 
 
 def decode_step_seconds(shape: ModelShape, hw: Hardware, s: StepShape, batch: int,
@@ -86,9 +87,13 @@ def update_seconds(shape: ModelShape, hw: Hardware, s: StepShape, share_prompts:
 
 def sync_seconds(shape: ModelShape, s: StepShape, link: float, overhead: float) -> dict:
     """Every TP rank's slice (the whole model between them) over the placement's link, and
-    the sync's own fixed work."""
+    the sync's own fixed work; a LoRA adapter (sync.lora=adapters) goes whole, in the trainer's
+    dtype, to each engine."""
     from rl.plan.memory import DTYPE_BYTES
 
+    if s.adapter_params:
+        total = s.adapter_params * DTYPE_BYTES[s.trainer_dtype]
+        return {"bytes_per_tp_rank": total, "bytes": total, "seconds": total / link + overhead}
     total = shape.params() * DTYPE_BYTES[s.engine_dtype]
     return {"bytes_per_tp_rank": total / s.tp, "bytes": total,
             "seconds": total / link + overhead}
