@@ -129,7 +129,7 @@ def model_tp_spec(path: str):
         p = PRESETS[name]
         return p.arch, p.num_heads, lambda t: TPSpec(t, p.num_heads, p.num_kv_heads,
                                                      p.hidden_size // p.num_heads,
-                                                     p.intermediate_size, p.vocab_size)
+                                                     p.intermediate_size, p.vocab_rows)
     if path.startswith("builtin:"):
         return None, 0, None
     from transformers import AutoConfig

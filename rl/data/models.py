@@ -31,8 +31,14 @@ class Preset:
     num_kv_heads: int
     intermediate_size: int
     tie_word_embeddings: bool
-    vocab_size: int = 512
+    vocab_size: int = 512  # the tokenizer's
     max_positions: int = 512
+    embedding_rows: int = 0  # the embedding's and head's rows; 0: the tokenizer's, padded to 64
+
+    @property
+    def vocab_rows(self) -> int:
+        """The model's vocabulary size (config.json's vocab_size), before a build pads it."""
+        return self.embedding_rows or self.vocab_size
 
 
 # head_dim = hidden / heads (32; 64 for bench-100m): sizes the vLLM CPU attention kernels support.
@@ -44,6 +50,17 @@ PRESETS = {
     "bench-100m": Preset("qwen2", 768, 16, 12, 4, 2048, tie_word_embeddings=False),
     # tiny-qwen2's shape, its tokenizer trained on calculator calls too (recipes/quickstart_tools)
     "tiny-qwen2-tools": Preset("qwen2", 128, 2, 4, 2, 384, tie_word_embeddings=False),
+    # Qwen2's real shapes (Qwen2-0.5B, Qwen2-1.5B, Qwen2.5-3B, Qwen2-7B: their config.json's sizes, the
+    # embedding at its 151,936 rows) with random weights and the builtins' small tokenizer: what
+    # the largest model a machine can RL-train is measured on (docs/planning.md)
+    "qwen2-0.5b-random": Preset("qwen2", 896, 24, 14, 2, 4864, tie_word_embeddings=True,
+                                embedding_rows=151936),
+    "qwen2-1.5b-random": Preset("qwen2", 1536, 28, 12, 2, 8960, tie_word_embeddings=True,
+                                embedding_rows=151936),
+    "qwen2.5-3b-random": Preset("qwen2", 2048, 36, 16, 2, 11008, tie_word_embeddings=True,
+                                embedding_rows=151936),
+    "qwen2-7b-random": Preset("qwen2", 3584, 28, 28, 4, 18944, tie_word_embeddings=False,
+                              embedding_rows=152064),
 }
 # the text each preset's tokenizer is trained on (default: rl.data.tasks.corpus)
 PRESET_CORPUS = {"tiny-qwen2-tools": "tool_corpus"}
@@ -202,7 +219,7 @@ def build_tiny_model(preset: str, seed: int = 0, out_dir: str | Path | None = No
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = train_tokenizer(texts, p.vocab_size)
-    vocab_size = ((len(tok) + 63) // 64) * 64  # pad the embedding to a multiple of 64
+    vocab_size = p.embedding_rows or ((len(tok) + 63) // 64) * 64  # a multiple of 64
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_model_config(p, vocab_size, tok), dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,

@@ -23,8 +23,8 @@ def test_build_is_deterministic_and_loadable(tmp_path):
 
 
 def test_unknown_preset_and_bad_directory(tmp_path):
-    with pytest.raises(ValueError, match="known: builtin:bench-100m, builtin:small-qwen2, "
-                                         "builtin:smollm2-135m"):
+    with pytest.raises(ValueError, match="known: builtin:bench-100m, builtin:qwen2-0.5b-random, "
+                                         ".*builtin:small-qwen2, builtin:smollm2-135m"):
         resolve_model_path("builtin:huge")
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
         resolve_model_path(str(tmp_path))
@@ -73,3 +73,26 @@ def test_runs_publishing_the_same_model_at_once_each_find_it_whole(tmp_path):
         p.kill()
     assert codes == [0] * 4
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"model-{i}" for i in range(40))
+
+
+def test_the_qwen2_shaped_builtins_have_the_released_models_sizes():
+    """Planned from their shape alone (nothing built): the released checkpoints' parameter
+    counts, the embedding at its real rows, not the small tokenizer's."""
+    from rl.plan.report import model_shape
+
+    sizes = {"qwen2-0.5b-random": 494_032_768, "qwen2-1.5b-random": 1_543_714_304,
+             "qwen2.5-3b-random": 3_085_938_688, "qwen2-7b-random": 7_615_616_512}
+    for name, params in sizes.items():
+        assert model_shape(f"builtin:{name}").params() == params, name
+
+
+def test_a_preset_with_embedding_rows_builds_its_embedding_at_that_size(tmp_path, monkeypatch):
+    import json
+    from dataclasses import replace
+
+    from rl.data import models
+
+    monkeypatch.setitem(models.PRESETS, "rows", replace(models.PRESETS["tiny-qwen2"],
+                                                        embedding_rows=1000))
+    out = build_tiny_model("rows", out_dir=tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 1000
