@@ -27,6 +27,45 @@ from typing import Callable
 ROOT = Path(__file__).parents[1]
 
 
+class Lane:
+    """The integration lane's runs start one at a time, in order: beside the in-process tests,
+    two at once oversubscribed the cores. Once a test waits for a run that has not ended, the
+    in-process tests are behind it (tests/conftest.py puts the lane's tests last), and two run
+    at once."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.slots, self.running = 1, 0
+
+    def enter(self, run: EarlyRun) -> bool:
+        """Waits until the run before it has started and a slot is free; False if stopped."""
+        before = run.queued_behind
+        with self.cond:
+            self.cond.wait_for(lambda: run.stopped or (
+                self.running < self.slots and (before is None or before.launched.is_set())))
+            if run.stopped:
+                return False
+            self.running += 1
+            return True
+
+    def leave(self) -> None:
+        with self.cond:
+            self.running -= 1
+            self.cond.notify_all()
+
+    def widen(self) -> None:
+        with self.cond:
+            self.slots = 2
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+LANE = Lane()
+
+
 class EarlyRun:
     """One command, started at most once per session, in a directory of its own."""
 
@@ -39,6 +78,7 @@ class EarlyRun:
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.launcher: threading.Thread | None = None
+        self.launched = threading.Event()  # its process started (or it never will)
         self.stopped = False
 
     def start(self) -> None:
@@ -51,21 +91,33 @@ class EarlyRun:
         self.launcher.start()
 
     def _launch(self) -> None:
-        for before in (self.after, self.queued_behind):
-            if before is not None and before.launcher is not None:
-                before.launcher.join()
-                if before.proc is not None:
-                    before.proc.wait()
-        if self.stopped:
-            return
-        env = self.env(self.dir) if self.env else dict(os.environ)
-        with open(self.dir / "stdout", "w") as out, open(self.dir / "stderr", "w") as err:
-            self.proc = subprocess.Popen(self.command(self.dir), cwd=ROOT, env=env, stdout=out,
-                                         stderr=err, start_new_session=True)
+        try:
+            if self.after is not None and self.after.launcher is not None:
+                self.after.launcher.join()
+                if self.after.proc is not None:
+                    self.after.proc.wait()
+            lane = self.with_integration and LANE.enter(self)
+            if self.stopped:
+                return
+            env = self.env(self.dir) if self.env else dict(os.environ)
+            with open(self.dir / "stdout", "w") as out, open(self.dir / "stderr", "w") as err:
+                self.proc = subprocess.Popen(self.command(self.dir), cwd=ROOT, env=env,
+                                             stdout=out, stderr=err, start_new_session=True)
+        finally:
+            self.launched.set()
+            LANE.wake()
+        if lane:
+            threading.Thread(target=self._leave_when_done, daemon=True).start()
+
+    def _leave_when_done(self) -> None:
+        self.proc.wait()
+        LANE.leave()
 
     def result(self, timeout: float = 900) -> subprocess.CompletedProcess:
         """Waits for the run (starting it if need be); its directory is `self.dir`."""
         self.start()
+        if self.proc is None or self.proc.poll() is None:
+            LANE.widen()  # this test waits: the lane may use the core it leaves
         self.launcher.join()
         try:
             code = self.proc.wait(timeout=timeout)
@@ -83,6 +135,7 @@ class EarlyRun:
 
     def stop(self) -> None:
         self.stopped = True
+        LANE.wake()
         if self.launcher is not None:
             self.launcher.join()
         if self.proc is not None and self.proc.poll() is None:
@@ -127,13 +180,18 @@ def start_selected(with_integration: bool = False) -> list[EarlyRun]:
     selected test (SELECTED)."""
     started = [run for run in RUNS.values()
                if run.module in SELECTED and run.with_integration == with_integration]
-    if with_integration:  # one at a time, in the order of their tests: more at once made the
-        started.sort(key=lambda run: run.module)  # suite slower (the cores oversubscribed)
+    if with_integration:  # in the order of their tests, through the LANE
+        started.sort(key=lambda run: run.module)
         for before, run in zip(started, started[1:]):
             run.queued_behind = before
     for run in started:
         run.start()
     return started
+
+
+def lane_modules() -> list[Path]:
+    """The modules of the runs started `with_integration`, in the order the lane runs them."""
+    return sorted({run.module for run in RUNS.values() if run.with_integration})
 
 
 def remove_all() -> None:
