@@ -2,7 +2,7 @@
 torch AdamW step on the same batch, model and loss.
 
 No Ray, no vLLM: this is the check to run on a GPU machine, where only torch, transformers and
-DeepSpeed are needed (see README "Benchmarks"). It builds a SmolLM2-135M-shaped Llama with random
+DeepSpeed are needed (see docs/benchmarks.md). It builds a SmolLM2-135M-shaped Llama with random
 weights (nothing is downloaded), one batch in the layout `rl.algo.batch.collate` makes (left-padded
 prompts, right-padded responses, logits for the response positions only), and times, per ZeRO
 stage and precision:

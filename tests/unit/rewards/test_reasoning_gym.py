@@ -65,5 +65,5 @@ def test_the_smollm2_recipe_holds_out_500_problems_and_its_reward_accepts_its_ro
     recipe = Path(__file__).parents[3] / "recipes" / "smollm2_chain_sum.yaml"
     rows = checked_rows(load_config(str(recipe)))
     train, held_out = rows.train, rows.held_out
-    assert len(held_out) >= 500  # the README's before/after is measured on these
+    assert len(held_out) >= 500  # docs/benchmarks.md's before/after is measured on these
     assert not {r["prompt"] for r in held_out} & {r["prompt"] for r in train}

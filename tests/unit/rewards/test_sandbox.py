@@ -1,6 +1,6 @@
 """A model-written program is hostile: each test pairs a correct `solve` with one attack that
 only a layer of the sandbox stops, so the program scores 0 (or leaves nothing) only because
-that layer worked. The layers are named in rewards/sandbox.py and the README. Every test that
+that layer worked. The layers are named in rewards/sandbox.py and docs/rewards.md. Every test that
 scores runs in both forms of the sandbox (see the `form` fixture)."""
 import os
 import subprocess

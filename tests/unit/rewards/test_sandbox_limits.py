@@ -47,7 +47,7 @@ TOGETHER = """
 
 def test_memory_of_all_processes_together(score, programs):
     if not cgroup_bases():
-        pytest.skip("no per-call cgroup here: memory_mb is per process (see the README)")
+        pytest.skip("no per-call cgroup here: memory_mb is per process (see docs/rewards.md)")
     assert score(programs.hostile(TOGETHER.format(mb=100)), memory_mb=256) == 0.0
     assert score(programs.hostile(TOGETHER.format(mb=30)), memory_mb=256) == 1.0
 

@@ -1,6 +1,6 @@
 """Bad input to `rl-train`: each case ends in one line `rl-train: ...` that names the key, file or
-row and says the fix, exit status 2, no traceback, and Ray never started. The README's table
-("When rl-train refuses to start") lists the same cases."""
+row and says the fix, exit status 2, no traceback, and Ray never started. docs/errors.md ("When
+rl-train refuses to start") lists the same cases."""
 import json
 import shutil
 from pathlib import Path
