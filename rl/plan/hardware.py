@@ -96,10 +96,40 @@ def meminfo(key: str) -> float:
     raise ValueError(f"/proc/meminfo has no {key}")
 
 
+# a bf16 matmul's rate, timed by torch in a process of its own (the planner imports no torch):
+# oneDNN runs it on AMX, AVX-512 bf16 or, on AVX2, converted to float32 (~100x slower here)
+BF16_RATE = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[2]))
+a, b = torch.randn(512, 512, dtype=torch.bfloat16), torch.randn(512, 2048, dtype=torch.bfloat16)
+a @ b
+n, start = 0, time.perf_counter()
+while n == 0 or time.perf_counter() - start < float(sys.argv[1]):
+    a @ b
+    n += 1
+print(n * 2 * 512 * 512 * 2048 / (time.perf_counter() - start))
+"""
+
+
+def bf16_matmul_rate(seconds: float) -> float | None:
+    """FLOP/s of a bf16 matmul on every core, or None where torch cannot say (not installed,
+    failed): bf16 is then taken as float32."""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", BF16_RATE, str(seconds),
+                              str(os.cpu_count() or 1)], capture_output=True, text=True,
+                             timeout=60 + 10 * seconds)
+        return float(out.stdout.split()[-1]) if out.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError):
+        return None
+
+
 def measure_cpu(seconds: float = 3.0) -> Hardware:
-    """This machine: its RAM, a memcpy's bandwidth, and float32/bf16-less matmul rates (numpy's
-    BLAS on every core), each measured for about a second. The utilizations are those
-    calibrated on 2-core machines (docs/planning.md)."""
+    """This machine: its RAM, a memcpy's bandwidth, and matmul rates on every core (float32:
+    numpy's BLAS; bf16: torch's in a subprocess, bf16_matmul_rate), each measured for about a
+    second. The utilizations are those calibrated on 2-core machines (docs/planning.md)."""
     import numpy as np
 
     budget = seconds / 3
@@ -118,14 +148,17 @@ def measure_cpu(seconds: float = 3.0) -> Hardware:
         a @ a
         n += 1
     fp32 = n * 2 * 1024 ** 3 / (time.perf_counter() - start)
+    bf16 = bf16_matmul_rate(budget)
     return Hardware(
-        "cpu", memory_bytes=meminfo("MemTotal"), bandwidth=bandwidth, bf16_flops=fp32,
+        "cpu", memory_bytes=meminfo("MemTotal"), bandwidth=bandwidth, bf16_flops=bf16 or fp32,
         fp32_flops=fp32, intra_link=src.nbytes / copy_s, inter_link=1.25e9, gpu=False,
         train_utilization=CPU_UTILIZATION["train"], decode_utilization=CPU_UTILIZATION["decode"],
         prefill_utilization=CPU_UTILIZATION["prefill"], decode_step_overhead=0.009,
         layer_pass_overhead=0.003, sync_overhead=0.03,
         sources={"memory": "/proc/meminfo MemTotal", "bandwidth": "a 64 MiB numpy copy",
-                 "flops": "a 1024^3 float32 numpy matmul on every core (bf16 taken as fp32)",
+                 "flops": "a 1024^3 float32 numpy matmul on every core; bf16: a 512 x 512 x "
+                          "2048 torch matmul " + ("on every core" if bf16 else
+                                                  "(torch failed: taken as fp32)"),
                  "links": "memcpy between processes; 10 Gb/s Ethernet between nodes (assumed)"})
 
 

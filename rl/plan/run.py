@@ -87,7 +87,8 @@ def cached_cpu(cache_dir: Path) -> Hardware:
     is read anew."""
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                   if line.startswith("model name")), "cpu")
-    key = f"{model}-{os.cpu_count()}".replace("/", "_").replace(" ", "_")
+    # v2: bf16 measured (before it, bf16 was taken as float32)
+    key = f"v2-{model}-{os.cpu_count()}".replace("/", "_").replace(" ", "_")
     file = cache_dir / "hardware" / f"{key}.json"
     if file.exists():
         hw = Hardware(**json.loads(file.read_text()))

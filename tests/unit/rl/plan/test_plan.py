@@ -134,3 +134,16 @@ def test_an_adapter_sync_moves_the_adapter_alone():
         cfg = load_config("recipes/quickstart.yaml", [*lora, f"sync.lora={sync}"])
         plan = make_plan(cfg, shape, Cluster(ram(64), 1, 1), 31)
         assert plan.time["sync"]["bytes_per_tp_rank"] == want, sync
+
+
+def test_the_cpu_measures_its_bf16_rate_and_falls_back_to_float32(monkeypatch):
+    """bf16 on a CPU runs 4.5x float32 with AVX-512 bf16 and ~100x slower on AVX2: the planner
+    times it (torch, in a subprocess) rather than taking it as float32, unless torch fails."""
+    from rl.plan import hardware
+
+    assert hardware.bf16_matmul_rate(0.1) > 0
+    monkeypatch.setattr(hardware, "bf16_matmul_rate", lambda seconds: 123.0)
+    assert hardware.measure_cpu(0.3).bf16_flops == 123.0
+    monkeypatch.setattr(hardware, "bf16_matmul_rate", lambda seconds: None)
+    hw = hardware.measure_cpu(0.3)
+    assert hw.bf16_flops == hw.fp32_flops and "taken as fp32" in hw.sources["flops"]
