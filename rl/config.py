@@ -405,6 +405,13 @@ def grad_accum_steps(cfg: Config) -> int:
     return -(-per_rank // cfg.trainer.micro_batch_size)
 
 
+def adapter_rank(cfg: Config) -> int:
+    """The rank of the LoRA adapter that each sync loads into the engines (trainer.lora with
+    sync.lora=adapters); 0: syncs move full weights."""
+    lora = cfg.trainer.lora
+    return lora.rank if lora is not None and cfg.sync.lora == "adapters" else 0
+
+
 def to_yaml(cfg: Config) -> str:
     from omegaconf import OmegaConf
 

@@ -10,7 +10,7 @@ from rl.plan.memory import EngineSide, TrainerSide, engine_memory, trainer_memor
 from rl.plan.shape import ModelShape
 from rl.plan.timing import (StepShape, rollout_seconds, speculation, step_seconds, sync_seconds,
                             update_seconds)
-from rl.config import grad_accum_steps
+from rl.config import adapter_rank, grad_accum_steps
 from rl.schema import Config
 
 GIB = 2 ** 30
@@ -94,13 +94,7 @@ def engine_side(cfg: Config, gpu: bool, prompt_tokens: int) -> EngineSide:
                       memory_fraction=r.gpu_memory_utilization,
                       seq_tokens=prompt_tokens + r.max_new_tokens,
                       kept_weights=not gpu and r.cpu_linear_mode(
-                          lora_adapter=adapter_synced(cfg)) == "repack")
-
-
-def adapter_synced(cfg: Config) -> bool:
-    """Syncs move a LoRA adapter, never the engines' base weights (trainer.lora, sync.lora
-    adapters)."""
-    return cfg.trainer.lora is not None and cfg.sync.lora == "adapters"
+                          lora_adapter=adapter_rank(cfg) > 0) == "repack")
 
 
 def engines(cfg: Config) -> int:
@@ -178,7 +172,7 @@ def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
                   critic=a.critic,
                   adapter_params=shape.lora_params(cfg.trainer.lora.rank,
                                                    list(cfg.trainer.lora.target_modules))
-                  if adapter_synced(cfg) else 0)
+                  if adapter_rank(cfg) > 0 else 0)
     r = rollout_seconds(shape, hw, s, plan.engine["max_sequences"], plan.engine["kv_per_token"])
     u = update_seconds(shape, hw, s, cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1)
     across = cfg.placement == "disaggregated" and plan.cluster.nodes > 1
@@ -227,7 +221,7 @@ def candidate_fixes(cfg: Config) -> list[dict]:
         out.append({"rollout.kv_cache_gib": max(0.25, r.kv_cache_gib / 4)})
     if r.gpu_memory_utilization > 0.2:
         out.append({"rollout.gpu_memory_utilization": round(r.gpu_memory_utilization / 2, 2)})
-    if r.cpu_linear_mode(lora_adapter=adapter_synced(cfg)) == "repack":  # CPU engines only
+    if r.cpu_linear_mode(lora_adapter=adapter_rank(cfg) > 0) == "repack":  # CPU engines only
         out.append({"rollout.cpu_linear": "plain"})  # the linears once, not beside a packed copy
     if r.dtype == "float32":
         out.append({"rollout.dtype": "bfloat16"})

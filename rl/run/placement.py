@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from rl.config import adapter_rank
 from rl.errors import get_all
 from rl.schema import Config
 
@@ -416,13 +417,6 @@ class EnginesOnly(Placement):
 
 
 PLACEMENTS = {"colocated": Colocated, "disaggregated": Disaggregated}
-
-
-def adapter_rank(cfg: Config) -> int:
-    """The rank of the LoRA adapter that each sync loads into the engines (trainer.lora with
-    sync.lora=adapters); 0: syncs move full weights."""
-    lora = cfg.trainer.lora
-    return lora.rank if lora is not None and cfg.sync.lora == "adapters" else 0
 
 
 def start_placement(cfg: Config) -> Placement:

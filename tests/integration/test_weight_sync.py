@@ -23,7 +23,7 @@ def colocated(placements, tmp_path_factory, preset: str, seed: int, *overrides: 
     path = str(build_tiny_model(preset, seed=seed, out_dir=tmp_path_factory.mktemp("m") / "m"))
     import ray
 
-    from rl.run.placement import adapter_rank
+    from rl.config import adapter_rank
 
     placement = placements.start(cfg)
     try:
