@@ -50,9 +50,9 @@ PRESETS = {
     "bench-100m": Preset("qwen2", 768, 16, 12, 4, 2048, tie_word_embeddings=False),
     # tiny-qwen2's shape, its tokenizer trained on calculator calls too (recipes/quickstart_tools)
     "tiny-qwen2-tools": Preset("qwen2", 128, 2, 4, 2, 384, tie_word_embeddings=False),
-    # Qwen2's real shapes (Qwen2-0.5B, Qwen2-1.5B, Qwen2.5-3B, Qwen2-7B: their config.json's sizes, the
-    # embedding at its 151,936 rows) with random weights and the builtins' small tokenizer: what
-    # the largest model a machine can RL-train is measured on (docs/planning.md)
+    # Qwen2's real shapes (Qwen2-0.5B, Qwen2-1.5B, Qwen2.5-3B, Qwen2-7B: their config.json's
+    # sizes, the embedding at its real rows) with random weights and the builtins' small
+    # tokenizer: what the largest model a machine can RL-train is measured on (docs/planning.md)
     "qwen2-0.5b-random": Preset("qwen2", 896, 24, 14, 2, 4864, tie_word_embeddings=True,
                                 embedding_rows=151936),
     "qwen2-1.5b-random": Preset("qwen2", 1536, 28, 12, 2, 8960, tie_word_embeddings=True,

@@ -178,9 +178,10 @@ def kv_bytes_per_token_per_rank(shape: ModelShape, e: EngineSide) -> float:
 
 def engine_memory(shape: ModelShape, e: EngineSide, device_bytes: float) -> dict:
     """One engine TP rank: its weights (on CPU with cpu_linear=repack, the linears twice: the
-    weights syncs write into and oneDNN's packed copy), its KV budget (CPU: what max_num_seqs sequences of
-    max_model_len tokens take, at most the cap, as rollout.vllm_engine.kv_cache_bytes; GPU: the
-    memory fraction less the weights), the blocks and the sequences held at once."""
+    weights syncs write into and oneDNN's packed copy), its KV budget (CPU: what max_num_seqs
+    sequences of max_model_len tokens take, at most the cap, as
+    rollout.vllm_engine.kv_cache_bytes; GPU: the memory fraction less the weights), the blocks
+    and the sequences held at once."""
     weights = shape.params() * DTYPE_BYTES[e.dtype] / e.tp
     if e.kept_weights:  # the linears (the layers' and the head's) packed beside their weights
         weights += shape.linear_params() * DTYPE_BYTES[e.dtype] / e.tp
