@@ -218,13 +218,14 @@ class VLLMEngine:
         cores split among the ranks (tp_core_binding). lora_rank > 0: the policy is the model
         with a LoRA adapter of that rank, loaded each version by `load_adapter` (vLLM's CPU
         backend then runs eagerly: it turns its compiled graph off under LoRA)."""
+        linear_mode = cfg.cpu_linear_mode(lora_adapter=lora_rank > 0)
         if device == "cpu":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # in whole GiB, it would override the size given below
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             install_cpu_linear_dispatch()
             tolerate_proxy_modules()
-            set_cpu_linear_mode(cfg.cpu_linear_mode(lora_adapter=lora_rank > 0))
+            set_cpu_linear_mode(linear_mode)
         self.tp_size = cfg.tensor_parallel_size
         tp_kwargs, engine_env = {}, {}
         self.core_binding = None  # a TP engine's ranks' cores on CPU, "0|1"
@@ -238,7 +239,7 @@ class VLLMEngine:
                     raise ValueError(f"core_binding={self.core_binding!r} binds "
                                      f"{len(self.core_binding.split('|'))} ranks, not "
                                      f"{self.tp_size}: separate each TP rank's cores by '|'")
-                engine_env = {CPU_LINEAR_ENV: cfg.cpu_linear_mode(lora_adapter=lora_rank > 0),
+                engine_env = {CPU_LINEAR_ENV: linear_mode,
                               "VLLM_CPU_OMP_THREADS_BIND": self.core_binding}
         from vllm import LLM, envs
 

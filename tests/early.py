@@ -98,6 +98,8 @@ class EarlyRun:
                     self.after.proc.wait()
             lane = self.with_integration and LANE.enter(self)
             if self.stopped:
+                if lane:  # stopped after taking its slot: give it back
+                    LANE.leave()
                 return
             env = self.env(self.dir) if self.env else dict(os.environ)
             with open(self.dir / "stdout", "w") as out, open(self.dir / "stderr", "w") as err:

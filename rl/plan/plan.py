@@ -72,7 +72,7 @@ class Plan:
 def trainer_side(cfg: Config, shape: ModelShape, prompt_tokens: int,
                  gpu: bool = False) -> TrainerSide:
     t, a = cfg.trainer, cfg.algorithm
-    lora = shape.lora_params(t.lora.rank, list(t.lora.target_modules)) if t.lora else 0
+    lora = adapter_params(cfg, shape)
     per_rank = cfg.rollout.prompts_per_step * cfg.rollout.n // (
         cfg.ray.num_workers * a.num_mini_batches)
     return TrainerSide(
@@ -83,6 +83,12 @@ def trainer_side(cfg: Config, shape: ModelShape, prompt_tokens: int,
         checkpointing=t.checkpointing(), whole_model_max=t.zero3_whole_model_max,
         release=t.zero3_release_params, reference=a.loss.kl_coef > 0 and t.lora is None,
         critic=a.critic, lora_params=lora, gpu=gpu)
+
+
+def adapter_params(cfg: Config, shape: ModelShape) -> int:
+    """The LoRA adapters' parameters (trainer.lora), 0 without LoRA."""
+    t = cfg.trainer
+    return shape.lora_params(t.lora.rank, list(t.lora.target_modules)) if t.lora else 0
 
 
 def engine_side(cfg: Config, gpu: bool, prompt_tokens: int) -> EngineSide:
@@ -170,9 +176,7 @@ def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
                   scoring_passes=int(not a.one_pass()) + int(plan.trainer.get("reference", 0) > 0)
                   + int(a.critic), updates=a.ppo_epochs, recompute=cfg.trainer.checkpointing(),
                   critic=a.critic,
-                  adapter_params=shape.lora_params(cfg.trainer.lora.rank,
-                                                   list(cfg.trainer.lora.target_modules))
-                  if adapter_rank(cfg) > 0 else 0)
+                  adapter_params=adapter_params(cfg, shape) if adapter_rank(cfg) > 0 else 0)
     r = rollout_seconds(shape, hw, s, plan.engine["max_sequences"], plan.engine["kv_per_token"])
     u = update_seconds(shape, hw, s, cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1)
     across = cfg.placement == "disaggregated" and plan.cluster.nodes > 1
