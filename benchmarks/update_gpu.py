@@ -35,7 +35,8 @@ from rl.algo.batch import Sample, collate  # noqa: E402
 from update.config import LossConfig, TrainerConfig  # noqa: E402
 from update.losses import BatchCounts, LossInputs, policy_loss  # noqa: E402
 from update.forward import response_logits, response_targets, token_logprobs  # noqa: E402
-from update.trainer import PolicyTrainer, init_distributed  # noqa: E402
+from update.distributed import init_distributed  # noqa: E402
+from update.trainer import PolicyTrainer  # noqa: E402
 
 PRECISIONS = {  # name: (trainer dtype, bf16_mode, raw autocast)
     "fp32": ("float32", "weights", False),

@@ -14,7 +14,7 @@ start-up, which loads the whole model on every rank at any stage), per rank.
 
 Rows: ZeRO-2; ZeRO-3 as configured by default (`3`: a model within
 trainer.zero3_whole_model_max, 5e7 parameters, or on one rank, gathered whole for each forward and
-backward, update.trainer.EngineModule; a larger one module by module, each module's weights
+backward, update.zero.EngineModule; a larger one module by module, each module's weights
 released once used, trainer.zero3_release_params); and ZeRO-3 either way whatever the size
 (`3-whole`: the bound 1e9; `3-modules`: the bound 0). Where the parameters dominate (bench-100m,
 module by module by default on 2 ranks), ZeRO-3 should hold less than ZeRO-2; gathered whole it
@@ -70,7 +70,8 @@ def _worker(rank: int, world: int, port: int, path: str, row: str, steps: int,
     from rl.algo.batch import Sample, collate
     from update.config import LossConfig, TrainerConfig
     from update.losses import BatchCounts
-    from update.trainer import PolicyTrainer, init_distributed
+    from update.distributed import init_distributed
+    from update.trainer import PolicyTrainer
 
     init_distributed(rank, world, "127.0.0.1", port)
     cfg = TrainerConfig(micro_batch_size=128, lr=5e-4, **ROWS[row])

@@ -297,7 +297,8 @@ def run_raw(preset: dict, dtype: str, out: dict) -> None:
 
     from rewards.builtin import exact_answer
     from rollout.config import RolloutConfig
-    from rollout.vllm_engine import eager_mode, kv_cache_bytes
+    from rollout.vllm_cpu import kv_cache_bytes
+    from rollout.vllm_engine import eager_mode
 
     path = base_model(preset, dtype)
     tok = AutoTokenizer.from_pretrained(path)

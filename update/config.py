@@ -43,7 +43,7 @@ class TrainerConfig:
     zero3_release_params: bool = True
     ("ZeRO-3, a model gathered module by module: release each module's weights once used, "
      "prefetch about one decoder layer, and DeepSpeed's ZeRO-3 linear in the decoder layers "
-     "(update.trainer.zero3_linears), so that a step "
+     "(update.zero.zero3_linears), so that a step "
      "holds its shard and a layer or two gathered (bench-100m on 2 ranks: ZeRO-3 below "
      "ZeRO-2's peak). false: DeepSpeed's defaults, which keep a model under 1e9 parameters "
      "gathered from its forward into its backward.")

@@ -11,7 +11,8 @@ from update.config import LossConfig, TrainerConfig
 from update.forward import full_layout
 from update.losses import BatchCounts, value_loss
 from update.mlp import lean_gated_mlps
-from update.trainer import load_engine, save_engine, scoring, shares_prompts, zero_engine
+from update.forward import shares_prompts
+from update.zero import load_engine, save_engine, scoring, zero_engine
 
 
 class ValueModel(torch.nn.Module):

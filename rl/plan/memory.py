@@ -74,7 +74,7 @@ REDUCE_BUCKET = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size, in elemen
 
 
 def gathered_whole(shape: ModelShape, side: TrainerSide) -> bool:
-    """update.trainer.is_whole: ZeRO-3 gathers a model whole up to zero3_whole_model_max
+    """update.zero.is_whole: ZeRO-3 gathers a model whole up to zero3_whole_model_max
     parameters or on one rank (0: never)."""
     if side.zero_stage != 3 or side.whole_model_max == 0:
         return False
@@ -180,7 +180,7 @@ def engine_memory(shape: ModelShape, e: EngineSide, device_bytes: float) -> dict
     """One engine TP rank: its weights (on CPU with cpu_linear=repack, the linears twice: the
     weights syncs write into and oneDNN's packed copy), its KV budget (CPU: what max_num_seqs
     sequences of max_model_len tokens take, at most the cap, as
-    rollout.vllm_engine.kv_cache_bytes; GPU: the memory fraction less the weights), the blocks
+    rollout.vllm_cpu.kv_cache_bytes; GPU: the memory fraction less the weights), the blocks
     and the sequences held at once."""
     weights = shape.params() * DTYPE_BYTES[e.dtype] / e.tp
     if e.kept_weights:  # the linears (the layers' and the head's) packed beside their weights

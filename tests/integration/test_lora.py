@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 PROBE = list(range(3, 40))
 # ZeRO-3 gathered whole (the tiny model, as by default) and module by module (a larger model's
-# default on several ranks: each module released once used, update.trainer.zero3_linears
+# default on several ranks: each module released once used, update.zero.zero3_linears
 # wrapping PEFT's base and adapter linears)
 STAGES = (0, 1, 2, 3, "3-modules")
 ZERO = {"3-modules": dict(zero_stage=3, zero3_whole_model_max=0)}
@@ -31,7 +31,8 @@ def _run(rank: int, world_size: int, port: int, path: str, ckpt: str, out) -> No
 
     from rl.algo.batch import collate
     from update.config import LoraConfig, LossConfig, TrainerConfig
-    from update.trainer import PolicyTrainer, init_distributed
+    from update.distributed import init_distributed
+    from update.trainer import PolicyTrainer
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, "127.0.0.1", port)

@@ -21,7 +21,9 @@ def _compare(rank: int, world_size: int, port: int, cache_dir: str, out) -> None
     from rl.data.models import build_tiny_model
     from update.config import LossConfig, TrainerConfig
     from update.losses import BatchCounts, old_logprob_metrics
-    from update.trainer import PolicyTrainer, full_state_dict, init_distributed
+    from update.distributed import init_distributed
+    from update.trainer import PolicyTrainer
+    from update.zero import full_state_dict
 
     linear = F.linear
     torch.manual_seed(0)

@@ -44,7 +44,8 @@ def _embedded_rows(model, run) -> list[int]:
 
 def _policy(path, samples, counts, cfg, loss_cfg, share: bool) -> dict:
     from rl.algo.batch import collate
-    from update.trainer import PolicyTrainer, full_state_dict
+    from update.trainer import PolicyTrainer
+    from update.zero import full_state_dict
 
     trainer = PolicyTrainer(path, cfg, loss_cfg, grad_accum=1)
     batch = collate(samples, 0, share_prompts=share)
@@ -86,7 +87,7 @@ def _compare(rank: int, world_size: int, port: int, path: str, out) -> None:
 
     from rl.algo.batch import collate
     from update.config import LoraConfig, LossConfig, TrainerConfig
-    from update.trainer import init_distributed
+    from update.distributed import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, "127.0.0.1", port)

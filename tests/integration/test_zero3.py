@@ -1,4 +1,4 @@
-"""ZeRO-3 as the update runs it (update.trainer.EngineModule, `scoring`) against ZeRO-2, on real
+"""ZeRO-3 as the update runs it (update.zero.EngineModule, `scoring`) against ZeRO-2, on real
 DeepSpeed engines, 2 ranks over gloo with the quickstart's shared-prompt layout and a KL
 reference: the same losses, gradient norms, probe logprobs and updates, within rounding
 (tests/numerics.py: the partitioned reductions round the gradients otherwise), for the
@@ -35,7 +35,9 @@ def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
     from rl.algo.batch import collate
     from update.config import LossConfig, TrainerConfig
     from update.critic import ValueTrainer
-    from update.trainer import PolicyTrainer, full_state_dict, init_distributed, z3_whole
+    from update.distributed import init_distributed
+    from update.trainer import PolicyTrainer
+    from update.zero import full_state_dict, z3_whole
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, "127.0.0.1", port)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch.utils.file_baton import FileBaton
 
-from update.trainer import jit_build_lock, ninja_first_path
+from update.distributed import jit_build_lock, ninja_first_path
 
 
 def test_a_leftover_torch_lock_is_cleared_while_the_lock_is_held(tmp_path):
@@ -23,7 +23,7 @@ def test_a_leftover_torch_lock_is_cleared_while_the_lock_is_held(tmp_path):
 def test_loaders_take_the_lock_one_at_a_time_and_a_dead_holder_releases_it(tmp_path):
     build = tmp_path / "op"
     hold = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from pathlib import Path; from update.trainer import jit_build_lock\n"
+            "from pathlib import Path; from update.distributed import jit_build_lock\n"
             "with jit_build_lock(Path(sys.argv[2])):\n"
             " print('held', flush=True); time.sleep(60)")
     root = str(Path(__file__).parents[3])

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from update.config import TrainerConfig
-from update.trainer import ds_config
+from update.zero import ds_config
 
 
 @pytest.mark.parametrize("stage, frozen_stage", [(1, 0), (2, 0), (3, 3)])
@@ -40,7 +40,7 @@ def test_zero3_gathers_whole_within_the_bound_or_on_one_rank_else_releases_layer
     settings); above it on several ranks, or with the key 0, module by module with each module
     released once used, prefetch and reduce buffers of one decoder layer; release off:
     DeepSpeed's defaults. DeepSpeed's process-wide memory-efficient linear is never on."""
-    from update.trainer import is_whole, release_unit
+    from update.zero import is_whole, release_unit
 
     model = _small_model()
     n = sum(p.numel() for p in model.parameters())
@@ -71,7 +71,7 @@ def test_decoder_linears_save_the_weight_not_its_view_and_compute_the_same():
     import torch.nn.functional as F
 
     from tests.numerics import depth, rounding, width
-    from update.trainer import zero3_linears
+    from update.zero import zero3_linears
 
     torch.manual_seed(0)
     model, ids = _small_model(), torch.randint(0, 100, (2, 7))
@@ -108,7 +108,7 @@ def test_the_default_bound_gathers_small_models_whole_and_bench_100m_by_module(p
     from transformers import AutoModelForCausalLM
 
     from rl.data.models import PRESETS, _model_config
-    from update.trainer import is_whole
+    from update.zero import is_whole
 
     p = PRESETS[preset]
     with torch.device("meta"):

