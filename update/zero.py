@@ -11,6 +11,7 @@ import torch
 
 from update.config import TrainerConfig
 from update.forward import response_parts
+from update.shards import shard_range
 
 
 def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool = True,
@@ -245,8 +246,7 @@ def scoring(engine):
 
 def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     """Full copies of ZeRO-3 parameters, on every rank, from one all-gather per dtype (where
-    `GatheredParameters` runs one per parameter). DeepSpeed keeps rank r's part of a parameter
-    as elements [r * s, (r + 1) * s) of the flattened parameter, padded at the end."""
+    `GatheredParameters` runs one per parameter), each rank's part put back by `shard_range`."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -261,7 +261,10 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
         offset = 0
         for name, p in group:
             size = p.ds_tensor.numel()
-            full = shards[:, offset:offset + size].reshape(-1)[:p.ds_numel]
+            full = torch.empty(p.ds_numel, dtype=dtype, device=local.device)
+            for r in range(world):
+                start, count = shard_range(r, size, p.ds_numel)
+                full[start:start + count].copy_(shards[r, offset:offset + count])
             out[name] = full.view(p.ds_shape)
             offset += size
     return out

@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from update.shards import shard_range
 from weight_sync.buckets import full_shape, is_world_shard
 from weight_sync.layout import TRAILER, BucketMeta, TensorMeta
 from weight_sync.resharding import Shard, copy_into_slice
@@ -54,8 +55,7 @@ def shard_part(p: torch.nn.Parameter, rank: int, world: int) -> tuple[torch.Tens
         numel = p.numel()
         size = -(-numel // world)
         source = p.data.reshape(-1)[rank * size:]
-    start = rank * size
-    count = max(0, min(size, numel - start))
+    start, count = shard_range(rank, size, numel)
     return source[:count], start
 
 

@@ -23,8 +23,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from weight_sync.buckets import (SyncStats, full_shape, gathered, is_world_shard,
-                                 iter_full_weights, names_for, tied_head_alias)
+from weight_sync.buckets import (SyncStats, full_shape, gathered, iter_full_weights, names_for,
+                                 tied_head_alias)
 from weight_sync.checksums import get_checksum
 from weight_sync.collective import CollectiveGroup
 from weight_sync.in_place import EngineLayout, layouts_digest, plan_in_place
@@ -32,6 +32,7 @@ from weight_sync.layout import (TRAILER, SyncLayout, as_int64, flatten_into, new
                                 plan_layout, read_trailer, unflatten, write_trailer)
 from weight_sync.node_buckets import NodeBuckets
 from weight_sync.resharding import TPSpec
+from weight_sync.shard_gather import ShardGather, shards_to_rank0
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -131,66 +132,6 @@ def _node_weights(module: torch.nn.Module, layout: SyncLayout, shared: NodeBucke
         views = unflatten(slot, bucket)
         yield from _with_aliases(((n, t.clone() if copy else t) for n, t in views),
                                  layout.aliases)
-
-
-def _shards_to_rank0(params: list[torch.nn.Parameter]) -> bool:
-    """True when the bucket's parameters are ZeRO-3 shards over the whole trainer world, on the
-    compute device, in one dtype: then rank 0 can gather them itself (`ShardGather`).
-    Every rank answers alike (it reads the same metadata); otherwise DeepSpeed gathers."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or not params:
-        return False
-    world = dist.get_world_size()
-    first = params[0]
-    return all(is_world_shard(p, world) and p.ds_tensor.device == first.ds_tensor.device
-               and p.dtype == first.dtype for p in params)
-
-
-class ShardGather:
-    """Gathers ZeRO-3 shards to trainer rank 0 only, straight into its places in the send buffer.
-
-    `deepspeed.zero.GatheredParameters` all-gathers whole parameters onto every rank; the
-    broadcast needs them on rank 0 alone. Here the other ranks only send their shard (DeepSpeed
-    keeps rank r's shard of a parameter as elements [r * s, (r + 1) * s) of the flattened
-    parameter, padded at the end), and rank 0 writes each element once, into the buffer that
-    goes on the wire. Scratch space is kept across buckets (grown when a bucket needs more)."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.local = self.recv = None
-
-    def _scratch(self, n: int, like: torch.Tensor) -> torch.Tensor:
-        if self.local is None or self.local.numel() < n or self.local.dtype != like.dtype:
-            self.local = torch.empty(n, dtype=like.dtype, device=like.device)
-            self.recv = (torch.empty(self.world * n, dtype=like.dtype, device=like.device)
-                         if self.rank == 0 else None)
-        return self.local[:n]
-
-    def gather(self, params: list[torch.nn.Parameter], buffer: torch.Tensor | None,
-               bucket) -> None:
-        """Every trainer rank calls this for the same bucket; rank 0's `buffer` gets it."""
-        import torch.distributed as dist
-
-        n = sum(p.ds_tensor.numel() for p in params)
-        local = self._scratch(n, params[0].ds_tensor)
-        torch.cat([p.ds_tensor.view(-1) for p in params], out=local)
-        if self.rank != 0:
-            dist.gather(local, None, dst=0)
-            return
-        shards = [self.recv[r * n:(r + 1) * n] for r in range(self.world)]
-        dist.gather(local, shards, dst=0)
-        offset = 0
-        for p, meta in zip(params, bucket.tensors, strict=True):
-            size, numel = p.ds_tensor.numel(), p.ds_numel
-            full = buffer[meta.offset:meta.offset + meta.nbytes].view(p.dtype)
-            for r, shard in enumerate(shards):
-                count = min(size, numel - r * size)
-                if count > 0:
-                    full[r * size:r * size + count].copy_(shard[offset:offset + count])
-            offset += size
 
 
 class BroadcastTransport(WeightTransport):
@@ -397,7 +338,7 @@ def _assemble(bucket, params: list[torch.nn.Parameter], buffer: torch.Tensor | N
     """Every trainer rank calls this for the same bucket; rank 0's `buffer` (None on ranks
     without a group) gets its full tensors: shards gathered to rank 0 (`ShardGather`, made on
     first use and returned for the next bucket), else DeepSpeed's all-gather."""
-    if _shards_to_rank0(params):
+    if shards_to_rank0(params):
         shard_gather = shard_gather or ShardGather()
         shard_gather.gather(params, buffer, bucket)
     else:

@@ -1,7 +1,8 @@
 """Assembling buckets from ZeRO-3-style shards (padded at the end, as DeepSpeed lays them out)
 on a real 2-process gloo world; sizes that do not divide by the world size exercise the padding.
 
-ShardGather: the shards come back whole on rank 0, in their places in the flat bucket.
+ShardGather: the shards come back whole on rank 0, in their places in the flat bucket (and
+whole on every rank from the trainer's own gather, update.zero.gathered_weights).
 NodeBuckets: each rank writes only its own shard (or, for parameters kept whole, its own element
 range) and after `publish()` both ranks read every bucket whole from shared memory, through the
 two alternating slots; ranks on two hosts get None.
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from tests.spawn import World
 from weight_sync.layout import new_buffer, plan_layout, unflatten
 from weight_sync.node_buckets import NodeBuckets
-from weight_sync.transport import ShardGather, _shards_to_rank0
+from weight_sync.shard_gather import ShardGather, shards_to_rank0
 
 SHAPES = [(3, 5), (7,), (4, 4), (1,)]  # 15, 7, 16, 1 elements: odd sizes leave padding
 
@@ -44,7 +45,7 @@ def run(rank: int, world: int, port: int, mode: str, out) -> None:
     try:
         fulls = full_tensors()
         params = [shard(f, rank, world) for f in fulls]
-        assert _shards_to_rank0(params), "ZeRO-3 shards over the whole world must qualify"
+        assert shards_to_rank0(params), "ZeRO-3 shards over the whole world must qualify"
         layout = plan_layout([(f"p{i}", list(f.shape), f.dtype) for i, f in enumerate(fulls)],
                              bucket_bytes=80, version=1, checksum="sum64")
         gather = ShardGather()
@@ -57,6 +58,11 @@ def run(rank: int, world: int, port: int, mode: str, out) -> None:
             if rank == 0:
                 for name, t in unflatten(buffer, bucket):
                     out[name] = t.clone()
+        # the trainer's own gather (update.zero), by the same layout rule: whole on every rank
+        from update.zero import gathered_weights
+
+        whole = gathered_weights({f"p{i}": p for i, p in enumerate(params)})
+        out.update({f"rank{rank}.p{i}": whole[f"p{i}"].clone() for i in range(len(fulls))})
     finally:
         dist.destroy_process_group()
 
@@ -75,10 +81,12 @@ def test_shards_come_back_whole_on_rank_0(spawn):
     got = spawn(run)
     for i, full in enumerate(full_tensors()):
         assert torch.equal(got[f"p{i}"], full), i
+        for rank in range(2):  # update.zero.gathered_weights: on every rank
+            assert torch.equal(got[f"rank{rank}.p{i}"], full), (rank, i)
 
 
 def test_parameters_that_are_not_shards_fall_back_to_deepspeed():
-    assert not _shards_to_rank0([torch.nn.Parameter(torch.zeros(3))])
+    assert not shards_to_rank0([torch.nn.Parameter(torch.zeros(3))])
 
 
 def run_node(rank: int, world: int, port: int, mode: str, out) -> None:
