@@ -108,7 +108,7 @@ def engine_cores(cfg: Config, num_cpus: int | None = None) -> int:
     of the engines' cores (their own when the roles are split, else all of them)."""
     import os
 
-    from rl.run.placement import split_cores, split_roles
+    from rl.run.reserve import split_cores, split_roles
 
     r = cfg.ray
     total = num_cpus or os.cpu_count() or 1

@@ -1,7 +1,8 @@
 """Placements kept between runs in one driver, so that a run starts on an earlier run's actors."""
 from __future__ import annotations
 
-from rl.run.placement import Placement, bundles, placement_shape, start_placement
+from rl.run.placement import Placement, start_placement
+from rl.run.reserve import bundles, placement_shape
 from rl.schema import Config
 
 

@@ -30,6 +30,8 @@ FORBIDDEN = {
     "rl.schema": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.algo", "rl.observe",
                   "rl.config", "rl.errors"},
     "rl.config": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.algo", "rl.observe"},
+    "rl.config_errors": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.algo", "rl.observe",
+                         "rl.config"},
     "rl.errors": {"rl.cli", "rl.preflight", "rl.run", "rl.data", "rl.algo", "rl.observe"},
 }
 

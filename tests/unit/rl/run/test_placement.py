@@ -6,7 +6,7 @@ def test_the_shape_is_what_the_actors_are_started_with():
     """Runs of one shape can share actors; anything set per run (model, lr, rollout) does not
     change it, and what the actors are started with (count, resources, cores, concurrency)
     does."""
-    from rl.run.placement import placement_shape
+    from rl.run.reserve import placement_shape
 
     base = placement_shape(load_config(None))
     assert placement_shape(load_config(None, ["trainer.lr=0.1", "rollout.n=4",
