@@ -71,6 +71,30 @@ def scripted_trajectory(make_env, row: dict, turns: list[str], tokenizer) -> tup
     return ids, mask
 
 
+def warmup_samples(rows: list[int], prompts, tokenizer, w, rng: random.Random,
+                   make_env) -> list[Sample]:
+    """The SFT samples of prompt `rows`: each row's answer (a near miss with probability
+    w.answer_noise, drawn from `rng`) in w.target_template, or, multi-turn, the scripted turns
+    with the env's replies between them."""
+    samples = []
+    for i in rows:
+        row = prompts.rows[i]
+        if "answer" not in row:
+            raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
+        answer = sft_target(str(row["answer"]), w.answer_noise, rng, w.noise_offsets)
+        fields = {**row, "answer": answer}
+        if w.target_turns:  # multi-turn: the env answers the scripted turns
+            turns = [t.format(**fields) for t in w.target_turns]
+            response, mask = scripted_trajectory(make_env, prompts.env_rows[i], turns, tokenizer)
+            samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", turns[-1],
+                                  loss_mask=mask))
+            continue
+        target = w.target_template.format(**fields)
+        response = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
+        samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
+    return samples
+
+
 def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
     """SFT on the workers' trainers; saves and returns the base model directory (cached)."""
     import ray
@@ -95,30 +119,13 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
              for wk in workers])
     rng = random.Random(cfg.run.seed)
     order = prompts.with_order(cfg.run.seed + 1)
-    eos = tokenizer.eos_token_id
     make_env = env_factory(cfg.env) if w.target_turns else None
     print(f"warm-up: {w.sft_steps} SFT steps of {per_rank * world} samples "
           f"(answer_noise={w.answer_noise})", flush=True)
     progress = Progress(w.sft_steps, "warm-up", every=50)
     for step in range(1, w.sft_steps + 1):
-        rows = order.next_batch(per_rank * world)
-        samples = []
-        for i in rows:
-            row = prompts.rows[i]
-            if "answer" not in row:
-                raise KeyError(f"warm-up needs an 'answer' field; row {i} has: {', '.join(row)}")
-            answer = sft_target(str(row["answer"]), w.answer_noise, rng, w.noise_offsets)
-            fields = {**row, "answer": answer}
-            if w.target_turns:  # multi-turn: the env answers the scripted turns
-                turns = [t.format(**fields) for t in w.target_turns]
-                response, mask = scripted_trajectory(make_env, prompts.env_rows[i], turns,
-                                                     tokenizer)
-                samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop",
-                                      turns[-1], loss_mask=mask))
-                continue
-            target = w.target_template.format(**fields)
-            response = tokenizer.encode(target, add_special_tokens=False) + [eos]
-            samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", target))
+        samples = warmup_samples(order.next_batch(per_rank * world), prompts, tokenizer, w,
+                                 rng, make_env)
         num_tokens = float(sum(s.num_model_tokens for s in samples))
         futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
                    for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]

@@ -74,12 +74,7 @@ class RunLifecycle:
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
-        from transformers import AutoTokenizer
-
-        from envs.registry import env_factory
         from rl.data.models import resolve_model_path
-        from rl.data.prompts import PromptSet
-        from rl.run.turns import check_env
 
         cfg = self.cfg
         # bad rewards or tests fail before Ray starts
@@ -88,27 +83,7 @@ class RunLifecycle:
         # a resumed run starts from the base model its checkpoint was trained from (checked)
         model_path = (resume.state["model_path"] if resume
                       else resolve_model_path(cfg.model.path, cfg.run.seed))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        check_lora_targets(cfg, model_path)
-        make_env = env_factory(cfg.env)  # multi-turn: prompts are what the env resets to
-        if make_env is not None:
-            try:  # the model's chat template must render observations after a model turn
-                check_env(make_env, self.tokenizer)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"env.name={cfg.env.name!r} with model.path="
-                                  f"{cfg.model.path!r}: {e}") from None
-        try:  # prompts that cannot be rendered or do not fit: refused before Ray starts
-            self.prompts = PromptSet(rows.train, self.tokenizer, cfg.data, cfg.run.seed,
-                                     cfg.rollout, make_env)
-            self.held_out = (PromptSet(rows.held_out, self.tokenizer, cfg.data, cfg.run.seed,
-                                       cfg.rollout, make_env) if rows.held_out else None)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(prompt_error(e, cfg)) from None
-        if self.held_out is not None:
-            print(f"data: {len(self.prompts.rows)} training rows, {len(self.held_out.rows)} "
-                  f"held-out prompts (never trained on"
-                  + (f"; {rows.dropped} training rows with a held-out prompt dropped)"
-                     if rows.dropped else ")"), flush=True)
+        self.load_prompts(rows, model_path)
         self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.plan_metrics = write_plan(cfg, model_path, self.prompts, self.run_dir)
@@ -134,6 +109,39 @@ class RunLifecycle:
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
         self.start_workers(model_path, resume)
+
+    def load_prompts(self, rows, model_path: str) -> None:
+        """The tokenizer, and the training and held-out prompts rendered with it: what cannot
+        be rendered or does not fit (or a model the adapters or the env cannot use) is refused
+        here, before Ray starts."""
+        from transformers import AutoTokenizer
+
+        from envs.registry import env_factory
+        from rl.data.prompts import PromptSet
+        from rl.run.turns import check_env
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_lora_targets(cfg, model_path)
+        make_env = env_factory(cfg.env)  # multi-turn: prompts are what the env resets to
+        if make_env is not None:
+            try:  # the model's chat template must render observations after a model turn
+                check_env(make_env, self.tokenizer)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"env.name={cfg.env.name!r} with model.path="
+                                  f"{cfg.model.path!r}: {e}") from None
+        try:  # prompts that cannot be rendered or do not fit: refused before Ray starts
+            self.prompts = PromptSet(rows.train, self.tokenizer, cfg.data, cfg.run.seed,
+                                     cfg.rollout, make_env)
+            self.held_out = (PromptSet(rows.held_out, self.tokenizer, cfg.data, cfg.run.seed,
+                                       cfg.rollout, make_env) if rows.held_out else None)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(prompt_error(e, cfg)) from None
+        if self.held_out is not None:
+            print(f"data: {len(self.prompts.rows)} training rows, {len(self.held_out.rows)} "
+                  f"held-out prompts (never trained on"
+                  + (f"; {rows.dropped} training rows with a held-out prompt dropped)"
+                     if rows.dropped else ")"), flush=True)
 
     def start_workers(self, model_path: str, resume) -> None:
         """The placement, the warm-up (a new run), the trainers, the engines at the policy
