@@ -168,10 +168,7 @@ class BroadcastTransport(WeightTransport):
         self.shared = _shared_slots(self.shared, module, layout)
         return layout
 
-    def send(self, module: torch.nn.Module, version: int, corrupt_bucket: int | None = None
-             ) -> SyncStats:
-        """`corrupt_bucket` flips bytes of that bucket after its checksum is taken: a fault
-        injection for tests of the receiver's check."""
+    def send(self, module: torch.nn.Module, version: int) -> SyncStats:
         by_name = dict(module.named_parameters())
         layout = self._layout(module, version)
         group = self.group
@@ -208,19 +205,16 @@ class BroadcastTransport(WeightTransport):
             if group is None:
                 continue
             for k, buffer in zip(members, buffers):
-                in_flight.append((j, self._post(buffer, layout.buckets[k], k == corrupt_bucket,
-                                                t0, stats)))
+                in_flight.append((j, self._post(buffer, layout.buckets[k], t0, stats)))
                 t0 = time.perf_counter()  # the round's assembly counts once
         _wait_until(in_flight, len(plan), stats)  # every round
         return stats
 
-    def _post(self, buffer: torch.Tensor, bucket, corrupt: bool, t0: float, stats: SyncStats):
+    def _post(self, buffer: torch.Tensor, bucket, t0: float, stats: SyncStats):
         """Checksum the assembled bucket into its trailer and queue it on the wire behind the
         buckets still in flight; returns its broadcast's work."""
         t1 = time.perf_counter()
         write_trailer(buffer, bucket, self._checksum(buffer[:bucket.nbytes]))
-        if corrupt:
-            buffer[:min(8, bucket.nbytes)] ^= 0x5A
         t2 = time.perf_counter()
         work = self.group.broadcast(buffer)
         stats.add_time("gather", t1 - t0)

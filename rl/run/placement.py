@@ -241,11 +241,10 @@ class Disaggregated(Placement):
         return [(trainer, lps) for lps in ray.get([e.score_tokens.remote(probe)
                                                     for e in self.engines])]
 
-    def sync(self, version: int, probe: list[int], corrupt_bucket: int | None = None) -> dict:
+    def sync(self, version: int, probe: list[int]) -> dict:
         """Broadcast `version`, then check every engine's probe logprobs against the trainer's.
         Streaming, the engines pause to receive and resume only once their probe agrees (a
-        failed check leaves them paused until a sync repairs them). `corrupt_bucket` is a fault
-        injection for tests."""
+        failed check leaves them paused until a sync repairs them)."""
         import time
 
         import ray
@@ -264,8 +263,8 @@ class Disaggregated(Placement):
             sent = {"sync/bytes": size, "sync/num_buckets": 1, "sync/max_bucket_bytes": size,
                     "sync/in_place": 0.0}
         else:
-            sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum,
-                                           corrupt_bucket) for t in self.trainers]
+            sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum)
+                     for t in self.trainers]
             receives = [e.receive_weights.remote(version) for e in self.engines]
             # a failed sender fails the sync now (its receivers then time out, and the run
             # stops; a dead engine, which fails its sender, is raised as the death it is); a

@@ -81,8 +81,7 @@ class TrainerRole(Role):
         return self.trainer.sequence_logprobs(token_ids)
 
     @traced("sync")
-    def send_weights(self, version: int, bucket_bytes: int, checksum: str,
-                     corrupt_bucket: int | None = None) -> dict:
+    def send_weights(self, version: int, bucket_bytes: int, checksum: str) -> dict:
         """Disaggregated sync, sending side: every rank helps assemble each bucket (shared
         memory, or a gather), rank 0 broadcasts it."""
         import time
@@ -98,7 +97,7 @@ class TrainerRole(Role):
                                                                 len(self.engine_layout)))
         transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots,
                                        engine)
-        stats = transport.send(self.trainer.sync_module(), version, corrupt_bucket)
+        stats = transport.send(self.trainer.sync_module(), version)
         self.shared_slots = transport.shared
         return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
                 "sync/num_buckets": stats.num_buckets,

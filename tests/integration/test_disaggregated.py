@@ -11,6 +11,7 @@ import torch
 from rl.algo.batch import Sample, collate
 from rl.config import load_config
 from rl.data.models import build_tiny_model
+from tests.faults import corrupt_next_send_on_actor
 from update.losses import BatchCounts
 from weight_sync.transport import WeightSyncError
 
@@ -78,8 +79,9 @@ def test_a_corrupted_bucket_is_detected_and_the_engine_refuses_to_generate(pools
     ray, placement = pools
     probe = list(range(3, 60))
     train_once(ray, placement)
+    ray.get(placement.trainers[0].__ray_call__.remote(corrupt_next_send_on_actor, 1))
     with pytest.raises(WeightSyncError, match=r"bucket 1/\d+ .* failed its sum64 check"):
-        placement.sync(2, probe, corrupt_bucket=1)
+        placement.sync(2, probe)
     with pytest.raises(WeightSyncError, match="holds policy version None"):
         ray.get(placement.engines[0].generate.remote([probe[:8]], [1], version=2))
     stats = placement.sync(2, probe)  # a clean retry of the same version repairs it

@@ -10,6 +10,7 @@ import pytest
 from rl.algo.batch import Sample, collate
 from rl.config import load_config
 from rl.run.controller import Controller
+from tests.faults import corrupt_next_send_on_actor
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -194,8 +195,9 @@ def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
     c = async_run
     key = ("corrupt", 0, 0)
     engine, prompt, v = generate_then_train(c, key, 10)
+    ray.get(c.placement.trainers[0].__ray_call__.remote(corrupt_next_send_on_actor, 0))
     with pytest.raises(WeightSyncError):
-        c.placement.sync(v + 1, c.probe, corrupt_bucket=0)
+        c.placement.sync(v + 1, c.probe)
     frozen = ray.get(engine.stream_status.remote())
     time.sleep(1.0)
     assert frozen["paused"] and ray.get(engine.stream_status.remote()) == frozen

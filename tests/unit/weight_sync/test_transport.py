@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from tests.faults import corrupt_next_send
 from weight_sync.collective import CollectiveGroup
 from weight_sync.buckets import tied_head_alias
 from weight_sync.transport import BroadcastTransport, LocalTransport, WeightSyncError
@@ -54,7 +55,9 @@ def broadcast(module, send_version, expect_version, corrupt_bucket=None, bucket_
     thread = threading.Thread(target=engine)
     thread.start()
     group = CollectiveGroup("127.0.0.1", port, 0, 2, "cpu", timeout_s=30)
-    stats = BroadcastTransport(group, bucket_bytes).send(module, send_version, corrupt_bucket)
+    if corrupt_bucket is not None:
+        corrupt_next_send(corrupt_bucket)
+    stats = BroadcastTransport(group, bucket_bytes).send(module, send_version)
     thread.join(timeout=60)
     assert not thread.is_alive(), "the receiver hung"
     return got, errors, stats
