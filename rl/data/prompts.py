@@ -208,6 +208,15 @@ class PromptSet:
         self._rng.setstate((version, tuple(internal), gauss))
         self._order = list(state["order"])
 
+    def request(self, rows: list[int], seeds: list[int]) -> dict:
+        """What a rollout engine is given to generate for prompt `rows` (one seed each): the
+        prompts' tokens, their seeds and output constraints and, multi-turn, what each
+        trajectory's environment is reset with (the keyword arguments of RolloutWorker's
+        `generate` and `submit`)."""
+        return {"prompts": [self.prompt_ids[r] for r in rows], "seeds": list(seeds),
+                "constraints": [self.constraints[r] for r in rows],
+                "rows": self.env_rows and [self.env_rows[r] for r in rows]}
+
     def next_batch(self, size: int) -> list[int]:
         """Row indices of the next `size` prompts (a new shuffled epoch when one runs out)."""
         out = []

@@ -48,12 +48,15 @@ class Collected:
     metrics: dict = field(default_factory=dict)
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
+    engine_stats: dict = field(default_factory=dict)  # the engines' counters (the last round's)
 
 
-def collect(controller, step: int) -> Collected:
+def collect(cfg, next_rows, generate, score) -> Collected:
     """Rollout rounds until the batch holds prompts_per_step groups (one round unless dynamic
-    sampling); the shortfall after max_sampling_rounds is filled with flat groups."""
-    cfg, algo = controller.cfg, controller.cfg.algorithm
+    sampling); the shortfall after max_sampling_rounds is filled with flat groups.
+    next_rows(k): the next k prompt rows; generate(rows, round_index) -> (samples, engine
+    counters); score(samples) -> reward metrics, each sample rewarded in place."""
+    algo = cfg.algorithm
     want, n = cfg.rollout.prompts_per_step, cfg.rollout.n
     kept: list[list[Sample]] = []
     flat: list[list[Sample]] = []
@@ -62,9 +65,9 @@ def collect(controller, step: int) -> Collected:
     reward_metrics: list[dict] = []
     for round_index in range(rounds):
         t0 = time.perf_counter()
-        samples = controller.generate(controller.prompts.next_batch(want), step, round_index)
+        samples, out.engine_stats = generate(next_rows(want), round_index)
         t1 = time.perf_counter()
-        reward_metrics.append(controller.score(samples))
+        reward_metrics.append(score(samples))
         out.seconds_generate += t1 - t0
         out.seconds_reward += time.perf_counter() - t1
         out.all_samples += samples

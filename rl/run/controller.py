@@ -63,31 +63,29 @@ class Controller(RunLifecycle):
 
     # ------------------------------------------------------------------ one step
     @traced("generate")
-    def generate(self, rows: list[int], step: int, round_index: int = 0) -> list[Sample]:
-        """n samples per prompt row, spread over the engines, gathered in order; each engine
-        first checks it holds the current policy version."""
+    def generate(self, rows: list[int], step: int, round_index: int = 0
+                 ) -> tuple[list[Sample], dict]:
+        """(n samples per prompt row, spread over the engines, gathered in order; the engines'
+        counters, averaged); each engine first checks it holds the current policy version."""
         import ray
 
         n = self.cfg.rollout.n
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
         # empty chunks come last: with more engines than prompts the last engines sit out
         parts = [p for p in chunk(list(enumerate(rows)), len(self.engines)) if p]
-        env_rows = self.prompts.env_rows  # multi-turn: what each trajectory's env resets with
-        futures = [e.generate.remote([self.prompts.prompt_ids[r] for _, r in part],
-                                     [base + g * n for g, _ in part],
-                                     [self.prompts.constraints[r] for _, r in part],
-                                     version=self.policy_version,
-                                     rows=env_rows and [env_rows[r] for _, r in part])
+        futures = [e.generate.remote(**self.prompts.request([r for _, r in part],
+                                                            [base + g * n for g, _ in part]),
+                                     version=self.policy_version)
                    for e, part in zip(self.engines, parts)]
         samples = []
         results = ray.get(futures)
-        self.rollout_stats = {k: sum(r["stats"][k] for r in results) / len(results)
-                              for k in results[0]["stats"]}
+        stats = {k: sum(r["stats"][k] for r in results) / len(results)
+                 for k in results[0]["stats"]}
         for part, result in zip(parts, results):
             for (g, r), completions in zip(part, result["groups"]):
                 samples += [Sample.of(r, g, self.prompts.prompt_ids[r], c,
                                       result["policy_version"]) for c in completions]
-        return samples
+        return samples, stats
 
     @traced("reward")
     def score(self, samples: list[Sample]) -> dict:
@@ -108,9 +106,10 @@ class Controller(RunLifecycle):
         return metrics
 
     @traced("prepare")
-    def prepare(self, samples: list[Sample]) -> dict:
-        """Old/reference logprobs and values from the trainers, once per batch; mismatch and KL
-        metrics; the KL reward penalty when the KL is not a loss term."""
+    def prepare(self, samples: list[Sample]) -> tuple[dict, torch.Tensor | None]:
+        """Old/reference logprobs and values from the trainers, once per batch; (mismatch and
+        KL metrics, the KL reward penalty per token [B, R] when the KL is not a loss term, else
+        None)."""
         parts = split_ranks(samples, len(self.trainers), self.grad_accum)
         pad = self.tokenizer.pad_token_id
         results = get_all([w.prepare.remote([collate(m, pad, self.share_prompts) for m in micros])
@@ -127,18 +126,17 @@ class Controller(RunLifecycle):
         metrics = old_logprob_metrics(old, rollout, ref, mask,
                                       BatchCounts(float(mask.sum()), float(len(samples))),
                                       loss_cfg.kl_estimator)
-        self.token_rewards = None
+        token_rewards = None
         if ref is not None and not loss_cfg.use_kl_loss:
-            self.token_rewards = -loss_cfg.kl_coef * kl_estimate(old, ref,
-                                                                 loss_cfg.kl_estimator) * mask
-        return metrics
+            token_rewards = -loss_cfg.kl_coef * kl_estimate(old, ref, loss_cfg.kl_estimator) * mask
+        return metrics, token_rewards
 
     @traced("advantages")
-    def advantages(self, samples: list[Sample]) -> dict:
+    def advantages(self, samples: list[Sample], token_rewards: torch.Tensor | None) -> dict:
         mask = response_mask(samples)
         inputs = AdvantageInputs(
             scores=torch.tensor([s.score for s in samples]), response_mask=mask,
-            group_size=self.cfg.rollout.n, token_rewards=self.token_rewards,
+            group_size=self.cfg.rollout.n, token_rewards=token_rewards,
             values=padded(samples, "values") if samples[0].values else None)
         adv, returns = compute_advantages(inputs, self.cfg.algorithm)
         for i, s in enumerate(samples):
@@ -204,18 +202,18 @@ class Controller(RunLifecycle):
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         if self.producer is None:
-            batch = collect(self, step)
+            batch = collect(self.cfg, self.prompts.next_batch,
+                            lambda rows, i: self.generate(rows, step, i), self.score)
         else:  # async: from the producer's buffer; the next batches generate during the update
-            batch = self.producer.take(step)
-            self.producer.fill(self.policy_version + 1)
-            self.rollout_stats = {"time/trainer_wait": batch.seconds_generate}
+            batch = self.producer.take(self.policy_version)
+            self.producer.fill(self.policy_version + 1, self.policy_version)
         samples, metrics = batch.samples, dict(batch.metrics)
         t1 = time.perf_counter()
-        if self.cfg.algorithm.one_pass():  # old logprobs and mismatch metrics come from update
-            self.token_rewards = None
-        else:
-            metrics.update(self.prepare(samples))
-        metrics.update(self.advantages(samples))
+        token_rewards = None
+        if not self.cfg.algorithm.one_pass():  # else old logprobs come from the update
+            prepared, token_rewards = self.prepare(samples)
+            metrics.update(prepared)
+        metrics.update(self.advantages(samples, token_rewards))
         metrics.update(self.update(samples, step))
         t2 = time.perf_counter()
         metrics.update(self.sync())
@@ -225,7 +223,7 @@ class Controller(RunLifecycle):
         if multi_turn:
             metrics.update(env_metrics(samples))
         metrics.update(staleness_metrics(samples, self.policy_version))
-        metrics.update(self.rollout_stats)
+        metrics.update(batch.engine_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
         metrics.update(self.plan_metrics)  # the plan's figures beside the measured ones
         metrics.update(time_metrics(step, batch, t0, t1, t2, t3, self.producer is not None))

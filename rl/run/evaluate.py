@@ -39,12 +39,9 @@ class Evaluator:
         n = 1 if greedy else self.k
         indices = list(range(len(self.prompts.prompt_ids)))
         parts = [p for p in chunk(indices, len(engines)) if p]
-        env_rows = self.prompts.env_rows  # multi-turn: the engines run whole trajectories
-        futures = [e.generate.remote([self.prompts.prompt_ids[i] for i in part],
-                                     [EVAL_SEED + i * n for i in part],
-                                     [self.prompts.constraints[i] for i in part], n=n,
-                                     version=version, greedy=greedy,
-                                     rows=env_rows and [env_rows[i] for i in part])
+        futures = [e.generate.remote(**self.prompts.request(part, [EVAL_SEED + i * n
+                                                                   for i in part]),
+                                     n=n, version=version, greedy=greedy)
                    for e, part in zip(engines, parts)]
         return [group for result in ray.get(futures) for group in result["groups"]]
 

@@ -189,7 +189,7 @@ class RunLifecycle:
             from rl.run.pipeline import RolloutProducer
 
             self.placement.start_streams(cfg.pipeline.interruptible)
-            self.producer = RolloutProducer(self)
+            self.producer = RolloutProducer(cfg, self.prompts, self.engines, self.score)
         loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project,
                                start)
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,

@@ -36,9 +36,13 @@ class Group:
 
 
 class RolloutProducer:
-    def __init__(self, controller):
-        cfg = controller.cfg
-        self.c = controller
+    """Hands prompt batches to the streaming engines and buffers what comes back. It is given
+    what it uses (the run's config, its prompts, the engines, the scoring function) and is told
+    the policy versions it works against in each call."""
+
+    def __init__(self, cfg, prompts, engines: list, score):
+        """score(samples) -> reward metrics: rewards each sample in place (Controller.score)."""
+        self.cfg, self.prompts, self.engines, self.score = cfg, prompts, engines, score
         self.want = cfg.rollout.prompts_per_step
         self.n = cfg.rollout.n
         self.in_order = cfg.pipeline.mode == "one_step"
@@ -55,44 +59,43 @@ class RolloutProducer:
     def unconsumed(self) -> int:
         return len(self.in_flight) + len(self.buffer)
 
-    def fill(self, next_update_version: int) -> None:
-        """Hand out batches while the newest would be trained within the bound."""
-        p = self.c.policy_version
+    def fill(self, next_update_version: int, engines_version: int) -> None:
+        """Hand out batches while the newest would be trained within the bound (the engines
+        generate `engines_version` now)."""
+        p = engines_version
         while next_update_version + self.unconsumed // self.want - p <= self.max_staleness:
             self._hand_out()
 
     def _hand_out(self) -> None:
-        c, b = self.c, self.batches
+        b = self.batches
         self.batches += 1
-        rows = c.prompts.next_batch(self.want)
-        base = ((c.cfg.run.seed * 1_000_003 + b) * 64) * 100_000
-        engines = c.engines
+        rows = self.prompts.next_batch(self.want)
+        base = ((self.cfg.run.seed * 1_000_003 + b) * 64) * 100_000
+        engines = self.engines
         load = [0] * len(engines)
         for e in self.in_flight.values():
             load[e] += 1
-        per_engine: list[list] = [[] for _ in engines]
-        env_rows: list[list] = [[] for _ in engines]  # multi-turn: each group's env row
+        per_engine: list[list[tuple[int, int]]] = [[] for _ in engines]  # (group, row)
         for g, r in enumerate(rows):
             e = min(range(len(engines)), key=lambda i: load[i])
             load[e] += 1
             self.in_flight[(b, g)] = e
-            per_engine[e].append(((b, g, r), c.prompts.prompt_ids[r], base + g * self.n,
-                                  c.prompts.constraints[r]))
-            if c.prompts.env_rows is not None:
-                env_rows[e].append(c.prompts.env_rows[r])
+            per_engine[e].append((g, r))
         import ray
 
-        ray.get([engines[e].submit.remote(groups, env_rows[e] or None)
-                 for e, groups in enumerate(per_engine) if groups])
+        ray.get([engines[e].submit.remote(
+            [(b, g, r) for g, r in part],
+            **self.prompts.request([r for _, r in part], [base + g * self.n for g, _ in part]))
+            for e, part in enumerate(per_engine) if part])
 
-    def _poll(self) -> None:
+    def _poll(self, version: int) -> None:
         """Wait for at least one engine's finished groups; into the buffer they go."""
         import ray
 
         busy = {e for e in self.in_flight.values()}
         waiting = set(self.collects.values())
         for e in busy - waiting:
-            self.collects[self.c.engines[e].collect.remote(5.0)] = e
+            self.collects[self.engines[e].collect.remote(5.0)] = e
         if not self.collects:
             raise RuntimeError("the rollout producer has nothing in flight and too little "
                                "buffered for a batch")
@@ -107,8 +110,8 @@ class RolloutProducer:
             for item in result["groups"]:
                 b, g, r = item["key"]
                 self.in_flight.pop((b, g))
-                samples = [Sample.of(r, g, self.c.prompts.prompt_ids[r], x,
-                                     self.c.policy_version, token_versions=True)
+                samples = [Sample.of(r, g, self.prompts.prompt_ids[r], x, version,
+                                     token_versions=True)
                            for x in item["completions"]]
                 arrived.append(Group((b, g), samples, min(s.policy_version for s in samples)))
         self.buffer += arrived
@@ -121,22 +124,23 @@ class RolloutProducer:
             return sorted(batch, key=lambda g: g.key) if len(batch) == self.want else []
         return sorted(self.buffer, key=lambda g: (g.version, g.key))[:self.want]
 
-    def take(self, step: int) -> Collected:
-        """The step's batch: prompts_per_step groups within the bound of the update that
-        starts from the current policy version (waiting for the engines as needed)."""
-        u = self.c.policy_version
+    def take(self, version: int) -> Collected:
+        """The batch of the update that starts from policy `version` (which the engines
+        generate now): prompts_per_step groups within its bound (waiting for the engines as
+        needed)."""
+        u = version
         t0 = time.perf_counter()
-        self.fill(u)
+        self.fill(u, version)
         while True:
             stale = [g for g in self.buffer if u - g.version > self.max_staleness]
             if stale:
                 self.dropped_stale += len(stale)
                 self.buffer = [g for g in self.buffer if g not in stale]
-                self.fill(u)
+                self.fill(u, version)
             ready = self._ready()
             if len(ready) >= self.want:
                 break
-            self._poll()
+            self._poll(version)
         waited = time.perf_counter() - t0
         taken = ready[:self.want]
         keys = {g.key for g in taken}
@@ -146,16 +150,17 @@ class RolloutProducer:
                 s.group = i
         samples = [s for grp in taken for s in grp.samples]
         t1 = time.perf_counter()
-        metrics = self.c.score(samples)  # the trained batch's rewards, as in lock-step
+        metrics = self.score(samples)  # the trained batch's rewards, as in lock-step
         reward_seconds = time.perf_counter() - t1
         metrics.update(self._metrics(samples))
-        return Collected(samples, samples, metrics, waited, reward_seconds)
+        return Collected(samples, samples, metrics, waited, reward_seconds,
+                         {"time/trainer_wait": waited})
 
     def _metrics(self, samples: list[Sample]) -> dict:
-        metrics = reward_summary(samples, self.c.cfg.algorithm.overlong_buffer)
+        metrics = reward_summary(samples, self.cfg.algorithm.overlong_buffer)
         spread = [max(s.token_versions) - min(s.token_versions) for s in samples
                   if s.token_versions]
-        n = max(len(self.c.engines), 1)
+        n = max(len(self.engines), 1)
         metrics.update({
             "pipeline/buffer_size": float(len(self.buffer)),
             "pipeline/in_flight": float(len(self.in_flight)),

@@ -221,15 +221,17 @@ class RolloutRole(Role):
             self.stream.stop()
             self.stream = None
 
-    def submit(self, groups: list[tuple], rows: list[dict] | None = None) -> None:
-        """(key, prompt ids, seed, constraint) per group, to generate rollout.n samples of;
-        multi-turn, rows: what each group's environments are reset with."""
+    def submit(self, keys: list, prompts: list[list[int]], seeds: list[int],
+               constraints: list[dict | None] | None = None,
+               rows: list[dict] | None = None) -> None:
+        """Groups to generate rollout.n samples of, each known by its key in what `collect`
+        returns; multi-turn, rows: what each group's environments are reset with."""
         if self.turns is not None:
-            if rows is None or len(rows) != len(groups):
+            if rows is None or len(rows) != len(keys):
                 raise ValueError("multi-turn submit needs each group's row (rows=)")
-            for group, row in zip(groups, rows):
-                self.turns.remember(group[0], row)
-        self.stream.submit(groups)
+            for key, row in zip(keys, rows):
+                self.turns.remember(key, row)
+        self.stream.submit(list(zip(keys, prompts, seeds, constraints or [None] * len(keys))))
 
     def collect(self, timeout_s: float = 5.0) -> dict:
         """{"groups": groups finished since the last call (each token with its version),

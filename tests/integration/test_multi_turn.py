@@ -61,9 +61,9 @@ def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing
     seen = {}
     advantages = c.advantages
 
-    def keep(samples):  # after prepare: the trainer's logprobs are on the samples
+    def keep(samples, token_rewards):  # after prepare: the trainer's logprobs are on them
         seen["samples"] = samples
-        return advantages(samples)
+        return advantages(samples, token_rewards)
 
     c.advantages = keep
     try:
@@ -120,7 +120,7 @@ def test_one_step_pipeline_streams_multi_turn_trajectories(placements, tmp_path)
                    "run.timeline_steps=0")
     seen = []
     advantages = c.advantages
-    c.advantages = lambda samples: seen.append(samples) or advantages(samples)
+    c.advantages = lambda samples, rewards: seen.append(samples) or advantages(samples, rewards)
     try:
         metrics = [c.step(k) for k in (1, 2)]
     finally:

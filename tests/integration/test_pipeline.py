@@ -75,7 +75,7 @@ def quiesce(c: Controller) -> None:
     import ray
 
     while c.producer.in_flight:
-        c.producer._poll()
+        c.producer._poll(c.policy_version)
     ray.get(list(c.producer.collects))
     c.producer.collects.clear()
 
@@ -114,7 +114,7 @@ def generate_then_train(c: Controller, key, tokens_in: int):
     quiesce(c)
     engine, prompt = c.engines[0], c.prompts.prompt_ids[0]
     start = ray.get(engine.stream_status.remote())["steps"]
-    ray.get(engine.submit.remote([(key, prompt, 12345, None)]))
+    ray.get(engine.submit.remote([key], [prompt], [12345]))
     wait_for_steps(engine, start + tokens_in)
     sft_step(c, prompt)
     return engine, prompt, c.policy_version
