@@ -17,11 +17,12 @@ import hashlib
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rl.config import ConfigError, load_config
 from rl.errors import last_line
+from rl.run.tracks import actor_tracks
 from rl.schema import Config
 
 # keys a resumed run may change: how long it runs and what it writes, not what a step computes
@@ -222,9 +223,20 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save(controller, step: int, metrics: dict) -> dict:
-    """Checkpoint `step` of a running controller (after the step, before its line is logged);
-    returns its metrics. A failure raises CheckpointError naming the resume command."""
+@dataclass
+class DriverState:
+    """The driver's part of a checkpoint (controller.json, with the step and its metrics)."""
+    policy_version: int
+    prompts: dict  # PromptSet.state(): the prompt order and where it stands
+    model_path: str  # the base model the run trains from
+    model_sha256: str | None  # its content hash: a resume refuses a changed base model
+
+
+def save(run_dir: Path, step: int, metrics: dict, cfg: Config, placement, state: DriverState,
+         resume_command: str) -> dict:
+    """Checkpoint `step` (after the step, before its line is logged): the placement's trainer
+    ranks and every actor's random state, the config and `state`; returns its metrics. A
+    failure raises CheckpointError naming `resume_command`."""
     import time
 
     import ray
@@ -234,36 +246,34 @@ def save(controller, step: int, metrics: dict) -> dict:
     from rl.observe.progress import wait_with_progress
 
     t0 = time.perf_counter()
-    run_dir = controller.run_dir
     try:
         tmp = begin(run_dir, step)
-        wait_with_progress([w.save_checkpoint.remote(str(tmp)) for w in controller.trainers],
+        wait_with_progress([w.save_checkpoint.remote(str(tmp)) for w in placement.trainers],
                            f"checkpoint step_{step}")
-        actors = [a for _, a in controller.actor_tracks()]
+        actors = [a for _, a in actor_tracks(placement)]
         torch.save({"driver": rng_state(),
                     "actors": ray.get([a.rng_state.remote() for a in actors])}, tmp / "rng.pt")
-        (tmp / "config.yaml").write_text(to_yaml(controller.cfg))
-        state = {"step": step, "policy_version": controller.policy_version,
-                 "prompts": controller.prompts.state(), "model_path": controller.model_path,
-                 "model_sha256": controller.model_sha256, "metrics": metrics}
-        (tmp / "controller.json").write_text(json.dumps(state))
-        final = commit(run_dir, tmp, step, controller.cfg.trainer.keep_checkpoints)
+        (tmp / "config.yaml").write_text(to_yaml(cfg))
+        (tmp / "controller.json").write_text(json.dumps(
+            {"step": step, **asdict(state), "metrics": metrics}))
+        final = commit(run_dir, tmp, step, cfg.trainer.keep_checkpoints)
     except ray.exceptions.RayActorError:
         raise  # an actor died: the controller's recovery handles it
     except (OSError, RuntimeError, ray.exceptions.RayError) as e:
         last = latest_checkpoint(run_dir)
         cause = last_line(e)
-        then = (f"the last complete one is {last.name}; resume with: "
-                f"{controller.resume_command(run_dir)}" if last else
+        then = (f"the last complete one is {last.name}; resume with: {resume_command}" if last else
                 "there is no complete checkpoint yet; start a new run")
         raise CheckpointError(f"checkpoint step_{step} failed ({cause}); {then}") from None
     return {"checkpoint/seconds": time.perf_counter() - t0,
             "checkpoint/bytes": float(directory_bytes(final))}
 
 
-def restore(controller, point: ResumePoint, engines: list | None = None) -> None:
-    """Load a checkpoint into a set-up controller whose trainers are initialized: trainer
-    engines, engines at the saved policy version (a checked sync), data order, every RNG.
+def restore(point: ResumePoint, placement, model_path: str, probe: list[int], prompts,
+            engines: list | None = None) -> int:
+    """Load a checkpoint into a placement whose trainers are initialized (trainer engines, the
+    rollout engines at the saved policy version by a checked sync, every actor's random state)
+    and into `prompts` (the order) and this process's random state; returns the policy version.
     engines: the rollout engines' builds, when the placement's start_rollout began them."""
     import ray
     import torch
@@ -271,18 +281,18 @@ def restore(controller, point: ResumePoint, engines: list | None = None) -> None
     supersede_newer(point)
     directory = str(point.checkpoint)
     version = int(point.state["policy_version"])
-    controller.placement.init_rollout(controller.model_path, version, engines)
+    placement.init_rollout(model_path, version, engines)
     # both sides hold the base model until the checkpoint loads: the probe's noise floor
-    controller.placement.measure_probe_noise(controller.probe)
-    ray.get([w.load_checkpoint.remote(directory) for w in controller.trainers])
+    placement.measure_probe_noise(probe)
+    ray.get([w.load_checkpoint.remote(directory) for w in placement.trainers])
     if version > 0:  # the engines start from the base model: give them the saved policy
-        controller.placement.sync(version, controller.probe)
-    controller.policy_version = version
-    controller.prompts.load_state(point.state["prompts"])
+        placement.sync(version, probe)
+    prompts.load_state(point.state["prompts"])
     rng = torch.load(point.checkpoint / "rng.pt", weights_only=False)
-    actors = [a for _, a in controller.actor_tracks()]
+    actors = [a for _, a in actor_tracks(placement)]
     if len(rng["actors"]) != len(actors):
         raise CheckpointError(f"{point.checkpoint} has random states of {len(rng['actors'])} "
                               f"actors, this placement has {len(actors)}")
     ray.get([a.set_rng_state.remote(s) for a, s in zip(actors, rng["actors"])])
     set_rng_state(rng["driver"])
+    return version

@@ -177,7 +177,9 @@ class RunLifecycle:
         start = resume.step + 1 if resume else 1
         if resume:
             with span("load checkpoint"):
-                ckpt.restore(self, resume, engines)  # trainers, engines (synced), data, RNG
+                # trainers, engines (synced), data, RNG
+                self.policy_version = ckpt.restore(resume, self.placement, model_path,
+                                                   self.probe, self.prompts, engines)
         else:
             with span("init engines"):
                 self.placement.init_rollout(model_path, self.policy_version, engines)
@@ -239,7 +241,10 @@ class RunLifecycle:
 
     @traced("checkpoint")
     def save_checkpoint(self, step: int, metrics: dict) -> dict:
-        return ckpt.save(self, step, metrics)
+        state = ckpt.DriverState(self.policy_version, self.prompts.state(), self.model_path,
+                                 self.model_sha256)
+        return ckpt.save(self.run_dir, step, metrics, self.cfg, self.placement, state,
+                         self.resume_command(self.run_dir))
 
     @traced("save")
     def finish(self) -> Path:
