@@ -170,9 +170,9 @@ class SyncConfig:
     tolerance: Optional[float] = field(default=None, metadata={"bound": "> 0"})
     ("Largest allowed |trainer - engine| probe logprob after a sync; None: by dtype "
      "(weight_sync.verify): 1e-3 when trainer and engines compute in float32; with bfloat16 on "
-     "either side 5x the difference measured at start-up, when both hold the base model (bf16 "
-     "noise: 0.01-0.02 nats on the tiny models, 0.25-0.42 on SmolLM2-135M), at least 0.25. "
-     "The value used is the metric sync/tolerance, the start-up difference sync/probe_noise.")
+     "either side 5x the difference measured at start-up, when both hold the base model, at "
+     "least 0.25 (docs/placement-and-weight-sync.md). The value used is the metric "
+     "sync/tolerance, the start-up difference sync/probe_noise.")
     exact: bool = True
     ("Where the engines keep the synced bytes (CPU engines that load in place: colocated shared "
      "weights, disaggregated in-place buckets), check after each sync that they hold exactly the "
@@ -188,9 +188,7 @@ class SyncConfig:
      "side, synced as full weights: the engines run the model as without LoRA) or adapters (the "
      "adapter alone, loaded into the engines' vLLM LoRA as a new adapter per policy version, "
      "the old one removed: megabytes instead of the model, but on CPU vLLM runs LoRA models "
-     "eagerly and through its LoRA kernels: SmolLM2-135M generated 2.4x slower; "
-     "docs/lora.md).")
-
+     "eagerly and through its LoRA kernels, slower; docs/lora.md).")
 
 @dataclass
 class RayConfig:
@@ -216,9 +214,8 @@ class RayConfig:
     "Disaggregated: Ray custom resources each rollout engine asks for, e.g. {rollout_node: 1}."
     cpu_malloc: str = "auto"
     ("The memory allocator of CPU workers: auto (tcmalloc, preloaded, when libtcmalloc is "
-     "installed, as vLLM's CPU backend recommends: training steps of SmolLM2-135M took 25-35% "
-     "less time and generation 10% less; scripts/setup.sh installs it), system, or the path of "
-     "a malloc library to preload. Runs on GPUs keep the system allocator under auto.")
+     "installed, as vLLM's CPU backend recommends; docs/cpu-notes.md; scripts/setup.sh installs "
+     "it), system, or the path of a malloc library to preload. Runs on GPUs keep the system allocator under auto.")
     split_cores: Optional[bool] = None
     ("Disaggregated on CPU: pin the trainer ranks and the engines to cores of their own (in "
      "proportion to their CPU reservations) instead of every role using all cores; None: only "

@@ -50,24 +50,21 @@ class RolloutConfig:
     cpu_linear: str = "auto"
     ("CPU linears: repack (oneDNN's packed kernels, the weights kept beside them: syncs copy into "
      "the weights and re-pack; the linears' weights held twice), plain (F.linear on the weights as "
-     "loaded: syncs copy, no re-pack; 1.6x slower generation on SmolLM2-135M on one thread), "
-     "packed (vLLM's own: weights dropped after packing, syncs go through vLLM's reload), or auto "
-     "(packed where a TP-1 engine serves a LoRA adapter, whose base weights no sync writes; else "
-     "repack).")
+     "loaded: syncs copy, no re-pack, slower generation), packed (vLLM's own: weights dropped "
+     "after packing, syncs go through vLLM's reload), or auto (packed where a TP-1 engine serves "
+     "a LoRA adapter, whose base weights no sync writes; else repack). The figures: "
+     "docs/placement-and-weight-sync.md.")
     enforce_eager: Optional[bool] = None
     ("Run the model eagerly (True) or compiled (False): on GPU vLLM's CUDA graphs, on CPU its "
      "torch.compile (inductor) graph, cached under ~/.cache/vllm after the first build; None: "
-     "compiled on GPU, and on CPU for models of compile_min_params or more (SmolLM2-135M: "
-     "1.07-1.24x (fp32) and 1.16x (bf16) the eager engine's tokens/s in benchmarks/vs_trl.py; its "
-     "first start compiles for ~60 s, later ones take ~15 s). Speculative decoding stays eager.")
+     "compiled on GPU, and on CPU for models of compile_min_params or more (the figures: "
+     "docs/rollout.md). Speculative decoding stays eager.")
     compile_min_params: int = field(default=50_000_000, metadata={"bound": ">= 0"})
-    ("enforce_eager None on CPU: the smallest model that is compiled. The quickstart's 0.5M "
-     "model generated no faster compiled (0.064-0.068 s a step against 0.067-0.076 eager).")
+    ("enforce_eager None on CPU: the smallest model that is compiled (smaller ones generated no "
+     "faster compiled: docs/rollout.md).")
     kv_cache_gib: float = field(default=1.0, metadata={"bound": "> 0"})
-    ("Most KV cache per engine on CPU, in GiB. An engine takes less when vLLM-CPU's 256 "
-     "sequences at once (its max_num_seqs) of max_model_len tokens fit in less: the quickstart's "
-     "0.5M model needs 0.125 GiB, and its engine starts 1.2 s sooner than with 1 GiB (the cache "
-     "is zeroed at start). SmolLM2-135M would need 5.6 GiB: it gets kv_cache_gib.")
+    ("Most KV cache per engine on CPU, in GiB; an engine takes less when vLLM-CPU's 256 "
+     "sequences at once (its max_num_seqs) of max_model_len tokens fit in less (docs/rollout.md).")
     gpu_memory_utilization: float = field(default=0.5, metadata={"bound": "in (0, 1]"})
     "Fraction of GPU memory for the engine when colocated with training on a GPU."
     speculative_method: Optional[str] = None

@@ -23,30 +23,23 @@ class TrainerConfig:
     zero_stage: int = field(default=3, metadata={"bound": "in [0, 3]"})
     ("DeepSpeed ZeRO stage: 3 shards parameters, gradients and optimizer state over the ranks; "
      "2 gradients and optimizer state; 1 optimizer state; 0 nothing (every rank holds it all: "
-     "DeepSpeed's plain data parallel, the fit for one worker, where ZeRO-1/2's flat buffers "
-     "made the optimizer step of SmolLM2-135M 1.4-2.3 s instead of 0.4 s on CPU).")
+     "DeepSpeed's plain data parallel, the fit for one worker; docs/cpu-notes.md).")
     zero3_persistence_threshold: int = field(default=0, metadata={"bound": ">= 0"})
     "ZeRO-3 keeps parameters below this many elements whole; 0 shards all (DeepSpeed's default is 1e5)."
     zero3_whole_model_max: int = field(default=5 * 10**7, metadata={"bound": ">= 0"})
-    ("ZeRO-3 gathers a model (policy, critic, reference) whole for each forward and backward "
-     "when it has at most this many parameters, or on one rank (nothing is partitioned between "
-     "ranks there, and module by module only adds its hooks: smollm2 on one worker 1.30x stage "
-     "0's step, 1.07x gathered whole; 0 if it needs the memory): one gather, no per-module hooks "
-     "(the quickstart's step 1.03x ZeRO-2's instead of 1.18x; its numbers then equal ZeRO-2's "
-     "bit for bit, ~1e-7 a step from those of ZeRO-3 module by module), at the price of a full "
-     "copy of the weights during the step, so that ZeRO-3 then saves no memory over ZeRO-2. "
-     "The default is DeepSpeed's default prefetch bucket (stage3_prefetch_bucket_size), what "
-     "it would hold gathered ahead anyway; a larger model on several ranks is gathered module "
-     "by module (zero3_release_params: bench-100m on 2 ranks below ZeRO-2's peak). 0: module "
-     "by module always. The warm-up always gathers module by module, with DeepSpeed's "
-     "defaults (the base models the published seeds start from).")
+    ("ZeRO-3 gathers a model (policy, critic, reference) whole for each forward and backward, "
+     "one gather and no per-module hooks, when it has at most this many parameters or runs on "
+     "one rank; a larger model on several ranks is gathered module by module. Whole holds a "
+     "full copy of the weights during the step; 0: module by module always. The default is "
+     "DeepSpeed's default prefetch bucket; the figures are in "
+     "docs/benchmarks.md#zero-3-against-zero-2. The warm-up always gathers module by module, "
+     "with DeepSpeed's defaults.")
     zero3_release_params: bool = True
     ("ZeRO-3, a model gathered module by module: release each module's weights once used, "
-     "prefetch about one decoder layer, and DeepSpeed's ZeRO-3 linear in the decoder layers "
-     "(update.zero.zero3_linears), so that a step "
-     "holds its shard and a layer or two gathered (bench-100m on 2 ranks: ZeRO-3 below "
-     "ZeRO-2's peak). false: DeepSpeed's defaults, which keep a model under 1e9 parameters "
-     "gathered from its forward into its backward.")
+     "prefetch about one decoder layer and run the decoder layers' linears through DeepSpeed's "
+     "ZeRO-3 linear (update.zero.zero3_linears), so that a step holds its shard and a layer or "
+     "two gathered (docs/benchmarks.md#zero-3-against-zero-2). false: DeepSpeed's defaults, "
+     "which keep a model under 1e9 parameters gathered from its forward into its backward.")
     lora: Optional[LoraConfig] = None
     ("Train LoRA adapters (PEFT) instead of the whole model: only they enter the optimizer and "
      "the checkpoints, the base stays frozen and is the reference policy (the adapter switched "

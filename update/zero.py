@@ -31,7 +31,7 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide
             # and computes x @ W.t() with matmul: for the strided hidden states that
             # logits_to_keep slices it falls back to a batched matmul that copies the weight once
-            # per sample (on the 49k-vocabulary head of SmolLM2, over half the step on CPU)
+            # per sample (a large vocabulary's head then dominates the step on CPU)
             "memory_efficient_linear": False,
         },
         "bf16": {"enabled": cfg.dtype == "bfloat16" and cfg.bf16_mode == "weights"},
@@ -109,16 +109,15 @@ class EngineModule(torch.nn.Module):
     model's own forward. Inside one call of this module the two runs are one forward to ZeRO-3,
     which starts its step at each forward of the module it wraps: calling the model twice
     directly began a new step mid-forward, so ZeRO-3's record of module order never held from
-    one step to the next and it fetched every parameter on demand (the quickstart's update 2.5x
-    ZeRO-2's).
+    one step to the next and it fetched every parameter on demand (the figures of this and
+    what follows: docs/benchmarks.md#zero-3-against-zero-2).
 
     `whole` (ZeRO-3; `is_whole`): the model is one ZeRO-3 leaf module
     (`deepspeed.utils.set_z3_leaf_module`), gathered whole in one collective for the forward and
     again for the backward, its gradients reduced once the backward has left it, instead of a
-    gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer model; the
-    quickstart's update 0.13 -> 0.10 s, ZeRO-2 0.09). DeepSpeed reduces a leaf's gradients when
-    the gradients of its inputs are computed; token ids have none, so the `Body`'s anchor is
-    that input."""
+    gather and DeepSpeed's hooks around every module (~60 per forward of a 2-layer model).
+    DeepSpeed reduces a leaf's gradients when the gradients of its inputs are computed; token
+    ids have none, so the `Body`'s anchor is that input."""
 
     def __init__(self, model: torch.nn.Module, whole: bool = False):
         super().__init__()
@@ -152,11 +151,11 @@ def zero3_linears(model: torch.nn.Module) -> None:
     """In place: each decoder layer's linears compute through DeepSpeed's ZeRO-3 linear, which
     saves the weight Parameter for the backward (gathered again there), where torch's linear
     saves the view W.t() that holds the gathered weight's memory after ZeRO-3 has released it
-    (with it a forward of bench-100m ended holding every weight: +0.7 GB a rank). Instead of
+    (with it a forward ended holding every weight). Instead of
     DeepSpeed's `memory_efficient_linear`, which replaces torch.nn.functional.linear in the
     whole process: the colocated engine's linears and the head too, whose strided input
-    (logits_to_keep) sends its matmul to a batched copy of the weight per sample (on SmolLM2's
-    49k-vocabulary head, over half the step on CPU). The head keeps torch's linear: its
+    (logits_to_keep) sends its matmul to a batched copy of the weight per sample (a large
+    vocabulary's head then dominates the step on CPU). The head keeps torch's linear: its
     backward comes right after its forward."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
@@ -194,13 +193,12 @@ def scoring(engine):
     0-2; under ZeRO-3, `engine.module` outside ZeRO-3's hooks. ZeRO-3 records the order in
     which a step uses the modules and from then on prefetches along that record; a forward of
     another shape through its hooks replaced the record or broke it (a probe is shorter than
-    the step it is checked against), and each training step then fetched on demand (the
-    quickstart's update 0.17 s instead of 0.13).
+    the step it is checked against), and each training step then fetched on demand.
 
     Outside the hooks, a model gathered whole for training (`EngineModule.whole`) runs on a
     full copy of its weights gathered in one collective, once per context (`gathered_weights`,
-    `torch.func.functional_call`; the tiny model's probe 7 ms instead of 18 with a gather per
-    layer); another gathers each decoder layer just before it runs and releases it after
+    `torch.func.functional_call`, where a gather per layer costs more for a small model);
+    another gathers each decoder layer just before it runs and releases it after
     (`deepspeed.zero.GatheredParameters`)."""
     module = engine.module
     if engine.zero_optimization_stage() != 3:

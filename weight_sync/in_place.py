@@ -159,8 +159,7 @@ def plan_in_place(engines: list[EngineLayout], trainer: list[tuple[str, list[int
     rank 0's bucket j, rank 1's bucket j, ...; the trainer ranks write a round before one
     barrier (`weight_sync.transport.rounds`). Bucket by bucket, one trainer rank wrote while
     the other waited: the rows of a column-parallel slice lie in one trainer rank's ZeRO-3
-    shard. (Measured with bench-100m at TP 2, rank by rank then rounds: 0.29-0.30 s, then
-    0.28-0.29 s, TP 1 0.26-0.29 s; rounds of half-size buckets were slower, 0.31-0.32 s.)"""
+    shard (docs/benchmarks.md#tensor-parallel-engines)."""
     per_rank = [_plan_rank(engine, trainer, trainer_aliases, spec, bucket_bytes, rank)
                 for rank, engine in enumerate(engines)]
     return [buckets[j] for j in range(max(map(len, per_rank)))
