@@ -156,7 +156,8 @@ def _sync_misses_rank_1(self) -> None:
 def _misplaces_a_tensor(self) -> None:
     """In colocated worker 1: its syncs write its part of layer 1's o_proj where layer 0's goes
     and the other way round (a fault: every slice filled, two at the wrong place)."""
-    write = self.write_slices
+    sync = self.colocated_sync  # weight_sync.colocated.ColocatedSync
+    write = sync.write_slices
 
     def swapped(params: list, aliases: dict) -> list:
         names = [n for n, _ in params]
@@ -165,7 +166,7 @@ def _misplaces_a_tensor(self) -> None:
         params[i], params[j] = (names[i], params[j][1]), (names[j], params[i][1])
         return write(params, aliases)
 
-    self.write_slices = swapped
+    sync.write_slices = swapped
 
 
 def _engine_cores(self) -> list:
