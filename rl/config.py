@@ -48,8 +48,9 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     recipe = layers[0] if path is not None else None
     for key, value, bound in out_of_bounds(cfg):
         want = "a finite number" if bound == "any" else f"a value {bound}"
-        raise ConfigError(f"config key '{key}' = {value!r} ({source_of(key, path, recipe, overrides)})"
-                          f" is out of range: give {want}")
+        where = source_of(key, path, recipe, overrides)
+        raise ConfigError(f"config key '{key}' = {value!r} ({where}) is out of range: give "
+                          f"{want}")
     validate(cfg)
     return cfg
 

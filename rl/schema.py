@@ -190,6 +190,7 @@ class SyncConfig:
      "the old one removed: megabytes instead of the model, but on CPU vLLM runs LoRA models "
      "eagerly and through its LoRA kernels, slower; docs/lora.md).")
 
+
 @dataclass
 class RayConfig:
     address: Optional[str] = None
@@ -215,7 +216,8 @@ class RayConfig:
     cpu_malloc: str = "auto"
     ("The memory allocator of CPU workers: auto (tcmalloc, preloaded, when libtcmalloc is "
      "installed, as vLLM's CPU backend recommends; docs/cpu-notes.md; scripts/setup.sh installs "
-     "it), system, or the path of a malloc library to preload. Runs on GPUs keep the system allocator under auto.")
+     "it), system, or the path of a malloc library to preload. Runs on GPUs keep the system "
+     "allocator under auto.")
     split_cores: Optional[bool] = None
     ("Disaggregated on CPU: pin the trainer ranks and the engines to cores of their own (in "
      "proportion to their CPU reservations) instead of every role using all cores; None: only "

@@ -31,8 +31,7 @@ import os
 
 import torch
 
-from rollout.vllm_cpu import (CPU_LINEAR_ENV, install_cpu_linear_dispatch, repack_linears,
-                             set_cpu_linear_mode, tolerate_proxy_modules)
+from rollout.vllm_cpu import CPU_LINEAR_ENV, patch_cpu_engine, repack_linears
 
 IDLE_SPIN_S = 0.05  # a rank spins this long after the engine's last call, then sleeps
 
@@ -55,9 +54,7 @@ def spin_briefly_when_idle() -> None:
 
 
 if os.environ.get(CPU_LINEAR_ENV):  # a CPU engine's rank process
-    install_cpu_linear_dispatch()
-    set_cpu_linear_mode(os.environ[CPU_LINEAR_ENV])
-    tolerate_proxy_modules()
+    patch_cpu_engine(os.environ[CPU_LINEAR_ENV])
     spin_briefly_when_idle()
 
 

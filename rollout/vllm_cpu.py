@@ -69,6 +69,12 @@ def prepare_cpu_process(linear_mode: str) -> None:
     whole GiB, would override that), and its linears in `linear_mode` (rollout.cpu_linear)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    patch_cpu_engine(linear_mode)
+
+
+def patch_cpu_engine(linear_mode: str) -> None:
+    """In a process that runs a CPU engine (or a TP engine's rank): vLLM's linear dispatch
+    wrapped for `linear_mode`, and engine starts that survive llvmlite's proxy modules."""
     install_cpu_linear_dispatch()
     tolerate_proxy_modules()
     set_cpu_linear_mode(linear_mode)

@@ -12,6 +12,8 @@ def corrupt_next_send(bucket: int) -> None:
     from weight_sync import transport
 
     cls, send = transport.BroadcastTransport, transport.BroadcastTransport.send
+    if getattr(send, "rl_fault", False):
+        raise RuntimeError("a corrupted send is pending in this process already")
 
     def corrupted_send(self, module, version):
         write = transport.write_trailer
@@ -29,6 +31,7 @@ def corrupt_next_send(bucket: int) -> None:
             transport.write_trailer = write
             cls.send = send  # once
 
+    corrupted_send.rl_fault = True
     cls.send = corrupted_send
 
 

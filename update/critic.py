@@ -8,10 +8,9 @@ from __future__ import annotations
 import torch
 
 from update.config import LossConfig, TrainerConfig
-from update.forward import full_layout
+from update.forward import full_layout, shares_prompts
 from update.losses import BatchCounts, value_loss
 from update.mlp import lean_gated_mlps
-from update.forward import shares_prompts
 from update.zero import load_engine, save_engine, scoring, zero_engine
 
 

@@ -259,10 +259,13 @@ def gathered_weights(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.T
         offset = 0
         for name, p in group:
             size = p.ds_tensor.numel()
-            full = torch.empty(p.ds_numel, dtype=dtype, device=local.device)
-            for r in range(world):
-                start, count = shard_range(r, size, p.ds_numel)
-                full[start:start + count].copy_(shards[r, offset:offset + count])
+            if world == 1:  # its one shard holds the whole parameter: a view, no copy
+                full = shards[0, offset:offset + shard_range(0, size, p.ds_numel)[1]]
+            else:
+                full = torch.empty(p.ds_numel, dtype=dtype, device=local.device)
+                for r in range(world):
+                    start, count = shard_range(r, size, p.ds_numel)
+                    full[start:start + count].copy_(shards[r, offset:offset + count])
             out[name] = full.view(p.ds_shape)
             offset += size
     return out

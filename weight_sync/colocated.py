@@ -55,6 +55,11 @@ class ColocatedSync:
                 self.shared = shared
         return bool(self.shared)
 
+    def adapters_only(self) -> None:
+        """LoRA adapter syncs (sync.lora=adapters): the base never changes, so nothing is shared
+        and nothing byte-checked; the adapter goes its own way (weight_sync.adapters)."""
+        self.shared = False
+
     def run(self, module: torch.nn.Module, engine, version: int, bucket_bytes: int,
             keeps_views: bool) -> SyncStats:
         """Make the engine(s) hold `module`'s weights, the way `share` chose (collective over

@@ -48,7 +48,8 @@ class Collected:
     metrics: dict = field(default_factory=dict)
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
-    engine_stats: dict = field(default_factory=dict)  # the engines' counters (the last round's)
+    # the engines' counters (the last round's); async: the trainer's wait for the batch
+    engine_stats: dict = field(default_factory=dict)
 
 
 def collect(cfg, next_rows, generate, score) -> Collected:

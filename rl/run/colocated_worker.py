@@ -83,7 +83,8 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         t0 = time.perf_counter()
         self.policy_version = None
         if adapters:  # the base never changes: no shared weights, no byte check
-            stats, sync.shared = self._sync_adapter(version), False
+            stats = self._sync_adapter(version)
+            sync.adapters_only()
         else:
             if sync.shared is None and sync.share(
                     self.engine, self.direct_load and self.device == "cpu"):

@@ -33,7 +33,7 @@ class Controller(RunLifecycle):
         before the heavy imports); None: setup loads and checks it. resume: an
         rl.run.checkpoint.ResumePoint to continue from (checked against cfg by the caller);
         resume_command(run_dir): the command that resumes this run, for error messages.
-        placements: an rl.run.placement.PlacementPool to take the actors from and give them back
+        placements: an rl.run.pool.PlacementPool to take the actors from and give them back
         to (several runs in one driver); None: this run starts and stops its own."""
         self.cfg = cfg
         self.placements = placements

@@ -16,7 +16,7 @@ from rl.run import checkpoint as ckpt
 from rl.run.cluster import start_ray
 from rl.run.placement import start_placement
 from rl.run.rewarding import RewardScorer, checked_rows
-from rl.run.tracks import actor_tracks, dead_actor
+from rl.run.tracks import dead_actor
 from rl.schema import Config
 
 
@@ -256,10 +256,6 @@ class RunLifecycle:
             self.tokenizer.save_pretrained(final.with_name(final.name + "_merged"))
         self.log.plot()
         return final
-
-    def actor_tracks(self) -> list[tuple[str, object]]:
-        """(track name, actor) for every actor of the placement, trainers first."""
-        return actor_tracks(self.placement)
 
     def shutdown(self) -> None:
         if self.log is not None:

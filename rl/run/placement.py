@@ -138,7 +138,7 @@ class Colocated(Placement):
         r = cfg.ray
         self.pg = reserve(bundles(cfg), f"{r.num_workers} colocated workers")
         self.trainers = spawn(ColocatedWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
-                               r.num_gpus_per_worker)
+                              r.num_gpus_per_worker)
         self.engines = self.trainers[::cfg.rollout.tensor_parallel_size]
         join_trainers(self.trainers)
 
@@ -186,13 +186,13 @@ class Disaggregated(Placement):
                 r.num_workers * r.num_cpus_per_worker,
                 r.num_rollout_workers * r.num_cpus_per_rollout_worker)
         self.trainers = spawn(TrainerWorker, self.pg, 0, r.num_workers, r.num_cpus_per_worker,
-                               r.num_gpus_per_worker, cores=trainer_cores)
+                              r.num_gpus_per_worker, cores=trainer_cores)
         # streaming (async pipeline modes), an engine takes submit/collect calls and a sync
         # while its generation loop runs
         self.engines = spawn(RolloutWorker, self.pg, r.num_workers, r.num_rollout_workers,
-                              r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
-                              concurrency=1 if cfg.pipeline.mode == "sync" else 4,
-                              cores=engine_cores)
+                             r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
+                             concurrency=1 if cfg.pipeline.mode == "sync" else 4,
+                             cores=engine_cores)
         self.streaming = False
         join_trainers(self.trainers)
         hosts = ray.get([a.hostname.remote() for a in self.trainers + self.engines])

@@ -27,12 +27,13 @@ def reserve(wanted: list[dict], what: str):
             f"Ray could not place {what} ({len(wanted)} bundles: {wanted}) in 300 s; the "
             f"cluster has {ray.cluster_resources()}. Lower ray.num_workers / "
             f"ray.num_rollout_workers or the per-worker resources, or start nodes that offer "
-            f"the custom resources ray.trainer_resources / ray.rollout_resources ask for.") from None
+            f"the custom resources ray.trainer_resources / ray.rollout_resources ask "
+            f"for.") from None
     return pg
 
 
 def spawn(cls, pg, first_bundle: int, count: int, cpus: float, gpus: float,
-           concurrency: int = 1, cores: tuple[int, int] | None = None) -> list:
+          concurrency: int = 1, cores: tuple[int, int] | None = None) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -69,7 +70,7 @@ def bundles(cfg: Config) -> list[dict]:
         r.num_workers
     if cfg.placement == "disaggregated":
         out += [bundle(r.num_cpus_per_rollout_worker, r.num_gpus_per_rollout_worker,
-                        r.rollout_resources)] * r.num_rollout_workers
+                       r.rollout_resources)] * r.num_rollout_workers
     return out
 
 

@@ -11,9 +11,9 @@ class TrainerRole(Role):
     """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
 
     trainer = critic = None
-    # the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets), made on the
-    # first sync; False when the ranks span several machines, train on GPUs, or /dev/shm is
-    # too small
+    # disaggregated: the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets),
+    # made on the first sync; False when the ranks span several machines, train on GPUs, or
+    # /dev/shm is too small (a colocated worker's are its ColocatedSync's)
     shared_slots = None
     engine_layout = None  # the engines' packed layouts by TP rank (weight_sync.in_place), if any
 
