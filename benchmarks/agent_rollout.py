@@ -89,10 +89,10 @@ class LatencyEnv:
         it is ready)."""
         return 1 + random.Random(hash((self.seed, key))).randint(1, self.turns - 1)
 
-    def start(self, key, index):
+    def start(self, key, index, greedy=False):
         return {"key": key, "turn": 0}
 
-    def step(self, state, turn_ids, finish_reason):
+    def step(self, state, turn_ids, finish_reason, logprobs=None):
         from rollout.stream import TurnResult
 
         state["turn"] += 1

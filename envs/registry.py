@@ -12,7 +12,8 @@ ENTRY_POINT_GROUP = "rlstack.envs"
 
 
 def _builtins() -> None:
-    import envs.tools  # noqa: F401  (registers the built-ins)
+    import envs.openai_agent  # noqa: F401  (registers the built-ins)
+    import envs.tools  # noqa: F401
 
 
 def known_names() -> list[str]:

@@ -27,11 +27,26 @@ def observation_text(tokenizer, messages: list[dict], tools: list[dict] | None,
         raise ValueError("the chat template renders a conversation differently once messages "
                          "follow (it is not append-only), so observations cannot be appended "
                          "as tokens; use a template that renders each message alone")
-    closing = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]  # e.g. "<|im_end|>\n"
+    return _closing(tokenizer, before, last_token_id) + after[len(before):]
+
+
+def _closing(tokenizer, before: str, last_token_id: int | None) -> str:
+    """What closes the assistant message rendered last in `before` (e.g. "<|im_end|>\\n"),
+    less its end-of-turn token when the model sampled that token itself."""
+    closing = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
     end = tokenizer(closing, add_special_tokens=False)["input_ids"][0]  # the end-of-turn token
     if last_token_id == end:
         closing = closing[len(tokenizer.decode([end])):]
-    return closing + after[len(before):]
+    return closing
+
+
+def closing_text(tokenizer, tools: list[dict] | None, last_token_id: int | None) -> str:
+    """The text that closes a model turn whose last sampled token is `last_token_id` (the
+    template's end of an assistant message, less what the model sampled of it)."""
+    base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+    before = tokenizer.apply_chat_template(base, tokenize=False,
+                                           **({"tools": tools} if tools else {}))
+    return _closing(tokenizer, before, last_token_id)
 
 
 def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None,

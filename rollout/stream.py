@@ -52,6 +52,10 @@ class TurnResult:
     "The most tokens of the next model turn (None: the loop's turn_tokens; < 1 truncates)."
     reward: float | None = None
     "The environment's reward of the trajectory, when it gives one (at done)."
+    prompt: list[int] | None = None
+    ("A prompt the trajectory (re)starts from, its tokens so far dropped: a handler that makes "
+     "the first prompt itself (`begin`), or a new branch (an agent whose history no longer "
+     "continues the tokens).")
 
 
 def _result_problem(result) -> str:
@@ -59,8 +63,8 @@ def _result_problem(result) -> str:
     if not isinstance(result, TurnResult):
         return f"the turn handler returned {type(result).__name__}, not a TurnResult"
     if not isinstance(result.observation, list) or not all(
-            type(t) is int for t in result.observation):
-        return "the turn handler's observation is not a list of token ids"
+            type(t) is int for t in result.observation + (result.prompt or [])):
+        return "the turn handler's observation or prompt is not a list of token ids"
     if not isinstance(result.info, dict) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in result.info.values()):
         return f"the turn handler's info {result.info!r} is not a dict of numbers"
@@ -68,10 +72,16 @@ def _result_problem(result) -> str:
 
 
 class TurnHandler(Protocol):
-    def start(self, key: object, index: int) -> object:
-        """The state (e.g. an environment) of sample `index` of group `key`, made at submit."""
+    """Optional besides: `begin(state) -> TurnResult` (in a worker thread, before the first
+    turn: its `prompt` replaces the submitted one; e.g. an agent program's first call) and
+    `finish(state)` (the trajectory ended, for any reason, or the loop stopped)."""
 
-    def step(self, state: object, turn_ids: list[int], finish_reason: str) -> TurnResult:
+    def start(self, key: object, index: int, greedy: bool) -> object:
+        """The state (e.g. an environment) of sample `index` of group `key`, made at submit;
+        greedy: the loop samples greedily (evaluation)."""
+
+    def step(self, state: object, turn_ids: list[int], finish_reason: str,
+             logprobs: list[float]) -> TurnResult:
         """Step the environment with the model turn just sampled; runs in a worker thread."""
 
 
@@ -115,6 +125,11 @@ class GenerationLoop:
         self.greedy = greedy
         self.turns, self.turn_tokens = turns, turn_tokens or max_new_tokens
         self.env_pool = ThreadPoolExecutor(env_workers, "env-step") if turns else None
+        self.begins = turns is not None and callable(getattr(turns, "begin", None))
+        self.finishes = turns is not None and callable(getattr(turns, "finish", None))
+        self.live: dict[int, _Sample] = {}  # not finished yet (for `finish` at stop)
+        cfg = getattr(engine, "cfg", None)
+        self.max_model_len = getattr(cfg, "max_model_len", None)
         self.cv = threading.Condition()
         self.waiting: list[_Sample] = []  # not in the engine: new, or cut by a sync
         self.running: dict[str, _Sample] = {}  # engine request id -> sample
@@ -144,12 +159,18 @@ class GenerationLoop:
             samples = [_Sample(key, j, list(prompt), None if seed is None else seed + j,
                                constraint) for j in range(self.n)]
             for x in samples if self.turns else ():  # user code (env resets): outside the lock,
-                x.state = self.turns.start(key, x.index)  # and nothing submitted if one raises
+                x.state = self.turns.start(key, x.index, self.greedy)  # nothing in if one raises
             made.append((key, samples))
         with self.cv:
             for key, samples in made:
                 self.groups[key] = [None] * self.n
-                self.waiting.extend(samples)
+                if self.finishes:
+                    self.live.update((id(x), x) for x in samples)
+                if self.begins:  # the handler makes the first prompt (in a worker thread)
+                    for x in samples:
+                        self.env_pool.submit(self._step_env, x, True)
+                else:
+                    self.waiting.extend(samples)
             self.cv.notify_all()
 
     def collect(self, timeout_s: float) -> list[dict]:
@@ -201,8 +222,15 @@ class GenerationLoop:
             self.stopped = True
             self.cv.notify_all()
         self.thread.join(timeout=30)
+        if self.finishes:  # trajectories left unfinished end too (an agent's session closes)
+            for s in self._unfinished():
+                self.turns.finish(s.state)
         if self.env_pool is not None:  # steps in flight finish into a stopped loop: dropped
             self.env_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _unfinished(self) -> list[_Sample]:
+        with self.cv:
+            return list(self.live.values())
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -301,11 +329,12 @@ class GenerationLoop:
         s.text = (c.text if s.segments == 1 and c.text else self.engine.decode(s.token_ids))
         self._finish(s)
 
-    def _step_env(self, s: _Sample) -> None:
-        """In a worker thread: the environment's answer to the turn, then the trajectory goes
-        on (back in line for the engine) or ends."""
+    def _step_env(self, s: _Sample, first: bool = False) -> None:
+        """In a worker thread: the environment's answer to the turn (first: the handler's
+        `begin`), then the trajectory goes on (back in line for the engine) or ends."""
         try:
-            result = self.turns.step(s.state, s.token_ids[s.turn_start:], s.finish_reason)
+            result = (self.turns.begin(s.state) if first else self.turns.step(
+                s.state, s.token_ids[s.turn_start:], s.finish_reason, s.logprobs[s.turn_start:]))
             problem = _result_problem(result)
             if problem:
                 result = TurnResult(done=True, error=problem)
@@ -326,11 +355,17 @@ class GenerationLoop:
         for k, v in result.info.items():
             s.info[k] = s.info.get(k, 0) + v
         s.error, s.truncated, s.env_reward = result.error, result.truncated, result.reward
+        if result.prompt is not None and not (result.done or result.error):
+            s.prompt, s.token_ids, s.logprobs, s.versions, s.mask = result.prompt, [], [], [], []
+            s.turn_start = 0
+            if self.max_model_len is not None and len(s.prompt) >= self.max_model_len:
+                s.error = (f"the prompt has {len(s.prompt)} tokens, no room within "
+                           f"rollout.max_model_len={self.max_model_len}")
         room = self.max_new_tokens - len(s.token_ids) - len(result.observation)
         limit = result.next_turn_tokens
-        if not (result.done or result.error) and (room < 1 or (limit is not None and limit < 1)):
+        if not (result.done or s.error) and (room < 1 or (limit is not None and limit < 1)):
             s.truncated, s.finish_reason = True, "length"  # no room for a model token
-        if result.done or result.error or s.truncated:
+        if result.done or s.error or s.truncated:
             s.text = self.engine.decode(s.token_ids[s.turn_start:])  # the last model turn
             self._finish(s)
         else:
@@ -343,6 +378,9 @@ class GenerationLoop:
             self.waiting.append(s)
 
     def _finish(self, s: _Sample) -> None:
+        if self.finishes:
+            self.live.pop(id(s), None)
+            self.turns.finish(s.state)
         slots = self.groups[s.group]
         slots[s.index] = s
         if all(x is not None for x in slots):
@@ -350,7 +388,7 @@ class GenerationLoop:
             self.done.append({"key": s.group, "completions": [
                 {"token_ids": x.token_ids, "logprobs": x.logprobs, "versions": x.versions,
                  "finish_reason": x.finish_reason, "text": x.text,
-                 **({"loss_mask": x.mask, "turns": x.turns, "info": x.info,
+                 **({"prompt_ids": x.prompt, "loss_mask": x.mask, "turns": x.turns, "info": x.info,
                      "truncated": x.truncated, "error": x.error, "env_reward": x.env_reward}
                     if self.turns else {})}
                 for x in slots]})

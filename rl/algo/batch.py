@@ -59,8 +59,9 @@ class Sample:
     def of(cls, row: int, group: int, prompt_ids: list[int], c: dict, version: int,
            token_versions: bool = False) -> "Sample":
         """The sample of one engine completion (a dict: rollout.vllm_engine.Completion's fields,
-        or rollout.stream's, which add per-token versions and the multi-turn fields)."""
-        return cls(row, group, prompt_ids, c["token_ids"], c["logprobs"], c["finish_reason"],
+        or rollout.stream's, which add per-token versions and the multi-turn fields, among
+        them its own prompt: an agent program renders its own)."""
+        return cls(row, group, c.get("prompt_ids", prompt_ids), c["token_ids"], c["logprobs"], c["finish_reason"],
                    c["text"], policy_version=(c["versions"][0] if token_versions
                                               and c["versions"] else version),
                    token_versions=c["versions"] if token_versions else [],

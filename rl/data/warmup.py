@@ -72,10 +72,11 @@ def scripted_trajectory(make_env, row: dict, turns: list[str], tokenizer) -> tup
 
 
 def warmup_samples(rows: list[int], prompts, tokenizer, w, rng: random.Random,
-                   make_env) -> list[Sample]:
+                   make_env, script=None) -> list[Sample]:
     """The SFT samples of prompt `rows`: each row's answer (a near miss with probability
     w.answer_noise, drawn from `rng`) in w.target_template, or, multi-turn, the scripted turns
-    with the env's replies between them."""
+    with the env's replies between them (script(row index, turns) -> (prompt ids, token ids,
+    loss mask): an agent program answers them, rl.run.agent_turns)."""
     samples = []
     for i in rows:
         row = prompts.rows[i]
@@ -85,8 +86,13 @@ def warmup_samples(rows: list[int], prompts, tokenizer, w, rng: random.Random,
         fields = {**row, "answer": answer}
         if w.target_turns:  # multi-turn: the env answers the scripted turns
             turns = [t.format(**fields) for t in w.target_turns]
-            response, mask = scripted_trajectory(make_env, prompts.env_rows[i], turns, tokenizer)
-            samples.append(Sample(i, 0, prompts.prompt_ids[i], response, [], "stop", turns[-1],
+            if script is not None:
+                prompt, response, mask = script(i, turns)
+            else:
+                prompt = prompts.prompt_ids[i]
+                response, mask = scripted_trajectory(make_env, prompts.env_rows[i], turns,
+                                                     tokenizer)
+            samples.append(Sample(i, 0, prompt, response, [], "stop", turns[-1],
                                   loss_mask=mask))
             continue
         target = w.target_template.format(**fields)
@@ -95,8 +101,9 @@ def warmup_samples(rows: list[int], prompts, tokenizer, w, rng: random.Random,
     return samples
 
 
-def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str:
-    """SFT on the workers' trainers; saves and returns the base model directory (cached)."""
+def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config, script=None) -> str:
+    """SFT on the workers' trainers; saves and returns the base model directory (cached).
+    script: as warmup_samples takes it (an agent program's scripted trajectories)."""
     import ray
 
     from rl.data.models import publish
@@ -125,7 +132,7 @@ def run_warmup(workers, model_path: str, prompts, tokenizer, cfg: Config) -> str
     progress = Progress(w.sft_steps, "warm-up", every=50)
     for step in range(1, w.sft_steps + 1):
         samples = warmup_samples(order.next_batch(per_rank * world), prompts, tokenizer, w,
-                                 rng, make_env)
+                                 rng, make_env, script)
         num_tokens = float(sum(s.num_model_tokens for s in samples))
         futures = [wk.sft.remote([collate(m, tokenizer.pad_token_id) for m in micros], num_tokens)
                    for wk, micros in zip(workers, split_ranks(samples, world, grad_accum))]

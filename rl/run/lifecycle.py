@@ -156,9 +156,11 @@ class RunLifecycle:
             self.placement = (self.placements.start(cfg) if self.placements is not None
                               else start_placement(cfg))
         if cfg.warmup.sft_steps > 0 and not resume:
-            with span("warm-up"):
+            from rl.run.agent_turns import warmup_script
+
+            with span("warm-up"), warmup_script(cfg, self.tokenizer, self.prompts) as script:
                 model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer,
-                                        cfg)
+                                        cfg, script)
         self.model_path = model_path
         # the base model's content hash goes into checkpoints: a resume refuses a changed one
         self.model_sha256 = (resume.state["model_sha256"] if resume else

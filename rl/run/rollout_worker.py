@@ -21,7 +21,8 @@ class RolloutRole(Role):
     tp_shared = None  # at TP > 1: the ranks' weights (weight_sync.tp_shared), written by syncs
     tp_bytes = 0  # the most bytes the last sync wrote into one TP rank
     env = None  # envs.config.EnvConfig of a multi-turn run
-    turns = None  # rl.run.turns.EnvTurns: multi-turn, every generation goes through it
+    turns = None  # rl.run.turns' EnvTurns or AgentTurns: multi-turn, every generation
+    agent_server = None  # envs.agent_server.AgentServer: agent programs' endpoint (kept)
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
@@ -38,11 +39,10 @@ class RolloutRole(Role):
         if env is not None and env.name is not None:
             from transformers import AutoTokenizer
 
-            from envs.registry import env_factory
-            from rl.run.turns import EnvTurns
+            from rl.run.turns import turn_handler
 
-            self.turns = EnvTurns(env_factory(env), AutoTokenizer.from_pretrained(model_path),
-                                  env.max_turns, env.step_timeout_s, self.spans)
+            self.turns = turn_handler(env, AutoTokenizer.from_pretrained(model_path), cfg,
+                                      self.spans, self.serve_agents)
 
         # an engine in this process tears down vLLM's process-wide parallel state when it goes:
         # let the old one go before the new one sets that state up
@@ -54,6 +54,15 @@ class RolloutRole(Role):
         self.policy_version, self.packed = version, None
         self._place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
+
+    def serve_agents(self):
+        """This engine's OpenAI-compatible endpoint for agent programs (one port, kept for the
+        actor's life)."""
+        if self.agent_server is None:
+            from envs.agent_server import AgentServer
+
+            self.agent_server = AgentServer("policy")
+        return self.agent_server
 
     def tp_cores(self, tp_size: int) -> str | None:
         """The cores of a TP engine's ranks on CPU, "0|1" (None: this actor's own cores split

@@ -25,7 +25,9 @@ def env_metrics(samples: list[Sample]) -> dict:
            "env/failed_frac": sum(bool(s.env_error) for s in samples) / n,
            "env/masked_token_frac": 1.0 - sum(s.num_model_tokens for s in samples)
            / max(response, 1)}
-    out.update({f"env/{k}": sum(s.env_info.get(k, 0) for s in samples) / n for k in keys})
+    # a handler's own metrics name their group (agent/prefix_breaks); the others are env/'s
+    out.update({k if "/" in k else f"env/{k}": sum(s.env_info.get(k, 0) for s in samples) / n
+                for k in keys})
     return out
 
 

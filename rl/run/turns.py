@@ -61,6 +61,24 @@ def _problem(step) -> str:
     return ""
 
 
+def turn_handler(env_cfg, tokenizer, rollout_cfg, spans=None, server=None):
+    """The generation loops' TurnHandler for the run's env (an envs.config.EnvConfig):
+    EnvTurns, or rl.run.agent_turns.AgentTurns when it is an agent program
+    (envs.openai_agent); server() gives the engine's envs.agent_server.AgentServer."""
+    from envs.openai_agent import OpenAIAgent
+    from envs.registry import env_factory
+
+    make_env = env_factory(env_cfg)
+    if issubclass(make_env.func, OpenAIAgent):
+        from rl.run.agent_turns import AgentTurns
+
+        return AgentTurns(make_env(), tokenizer, server(), env_cfg.max_turns,
+                          env_cfg.turn_max_new_tokens, env_cfg.step_timeout_s,
+                          {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p},
+                          spans)
+    return EnvTurns(make_env, tokenizer, env_cfg.max_turns, env_cfg.step_timeout_s, spans)
+
+
 def check_env(make_env, tokenizer) -> None:
     """Make the run's environment once (make_env: envs.registry.env_factory's) and render an
     observation with the model's chat template: raises ValueError/TypeError with the reason
@@ -88,12 +106,13 @@ class EnvTurns:
         """The group is done: its row is not needed any more."""
         self.rows.pop(key, None)
 
-    def start(self, key: object, index: int) -> _Trajectory:
+    def start(self, key: object, index: int, greedy: bool = False) -> _Trajectory:
         env = self.make_env()
         env.reset(self.rows[key])
         return _Trajectory(env)
 
-    def step(self, state: _Trajectory, turn_ids: list[int], finish_reason: str) -> TurnResult:
+    def step(self, state: _Trajectory, turn_ids: list[int], finish_reason: str,
+             logprobs: list[float] | None = None) -> TurnResult:
         if self.spans is None:
             return self._step(state, turn_ids)
         lane = threading.current_thread().name.rpartition("_")[2]  # the pool's worker index

@@ -149,10 +149,10 @@ class Turns:
         self.turns, self.seen, self.lock = turns, [], __import__("threading").Lock()
         self.next_turn_tokens = next_turn_tokens
 
-    def start(self, key, index):
+    def start(self, key, index, greedy=False):
         return {"key": key, "index": index, "t": 0}
 
-    def step(self, state, turn_ids, finish_reason):
+    def step(self, state, turn_ids, finish_reason, logprobs=None):
         from rollout.stream import TurnResult
 
         state["t"] += 1
@@ -253,10 +253,10 @@ def test_the_environment_may_set_the_next_turns_token_limit(engine):
 class Odd:
     """A turn handler whose answers are wrong in the way its group key says."""
 
-    def start(self, key, index):
+    def start(self, key, index, greedy=False):
         return key
 
-    def step(self, key, turn_ids, finish_reason):
+    def step(self, key, turn_ids, finish_reason, logprobs=None):
         from rollout.stream import TurnResult
 
         if key == "text_info":
