@@ -94,10 +94,10 @@ def normalize(message: dict) -> dict:
     (tool-call arguments as objects; fields the SDK sends as None dropped), so that a message
     sent back as the SDK returned it compares equal to the reply it came from."""
     out = {"role": message["role"], "content": _content(message.get("content"))}
-    calls = [{"type": "function", "function": {
-        "name": (c.get("function") or {}).get("name"),
-        "arguments": _arguments((c.get("function") or {}).get("arguments"))}}
-        for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    calls = [{**({"id": c["id"]} if c.get("id") is not None else {}), "type": "function",
+              "function": {"name": (c.get("function") or {}).get("name"),
+                           "arguments": _arguments((c.get("function") or {}).get("arguments"))}}
+             for c in message.get("tool_calls") or [] if isinstance(c, dict)]
     if calls:
         out["tool_calls"] = calls
     for key in ("name", "tool_call_id"):

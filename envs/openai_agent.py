@@ -30,8 +30,9 @@ def load_program(spec: str):
     from rewards.registry import from_spec
 
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"env.args.program={spec!r}: give path/to/file.py:function or "
-                         f"module:function (async def solve(client, row))")
+        raise ValueError(f"env.args.program={spec!r}: give the agent program as "
+                         f"path/to/file.py:function or module:function (async def "
+                         f"solve(client, row))")
     program = from_spec(spec, kind="agent program")
     try:
         inspect.signature(program).bind(None, None)
@@ -43,7 +44,7 @@ def load_program(spec: str):
 
 @register("openai_agent")
 class OpenAIAgent(Env):
-    def __init__(self, program: str, parse_tool_calls: bool = True):
+    def __init__(self, program: str | None = None, parse_tool_calls: bool = True):
         """program: path/to/file.py:function or module:function; parse_tool_calls: a reply's
         Hermes <tool_call> blocks come back as message.tool_calls when the call gave tools."""
         self.program = load_program(program)

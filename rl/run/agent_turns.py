@@ -15,6 +15,7 @@ pending when a limit ended the trajectory, gets an error.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -64,7 +65,17 @@ class AgentTurns:
                                          "limit: env.max_turns, rollout.max_new_tokens)")
 
     def begin(self, state: _Agent) -> TurnResult:
-        return self._next(state, first=True)
+        with self._span(state):
+            return self._next(state, first=True)
+
+    def _span(self, state: _Agent):
+        """An `agent program` span on the timeline (timeline.json): the wait for the program's
+        next move, one lane per worker thread."""
+        if self.spans is None:
+            return contextlib.nullcontext()
+        lane = threading.current_thread().name.rpartition("_")[2]  # the pool's worker index
+        return self.spans.span("agent program", call=state.session.calls + 1,
+                               lane=1 + int(lane) if lane.isdigit() else 1)
 
     def step(self, state: _Agent, turn_ids: list[int], finish_reason: str,
              logprobs: list[float] | None) -> TurnResult:
@@ -75,7 +86,8 @@ class AgentTurns:
         if state.greedy:  # the evaluator samples greedily, whatever the call asked
             reply["system_fingerprint"] = GREEDY_NOTE
         state.channel.respond(200, reply)
-        return self._next(state)
+        with self._span(state):
+            return self._next(state)
 
     def _next(self, state: _Agent, first: bool = False) -> TurnResult:
         """The program's next move, as the generation loop's TurnResult."""
@@ -105,7 +117,7 @@ class AgentTurns:
         state.body = payload
         dropped = state.session.length
         how, ids = state.session.call(payload)
-        info["agent/calls"] = 1
+        info.update({"agent/calls": 1, "agent/prefix_breaks": 0, "agent/dropped_tokens": 0})
         asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
         limit = min(asked, self.turn_tokens or asked) if asked else None
         if how == "continue":

@@ -1,6 +1,6 @@
 """An OpenAI-SDK agent program trained unchanged (env openai_agent) through rl-train's
 controller on the real stack: in the quickstart's colocated sync step and its held-out
-evaluation, and in the one_step pipeline, disaggregated. The tokens trained are, call by call,
+evaluation, and in the fully_async pipeline, disaggregated. The tokens trained are, call by call,
 the ones the engine sampled and returned to the program (never re-tokenized); the observations
 are the template's rendering of the program's new messages; programs that raise, hang or
 return garbage end their own trajectory, untrained, and the run goes on."""
@@ -51,7 +51,8 @@ def test_an_openai_sdk_program_trains_on_the_engines_tokens_call_by_call(placeme
     held_out = write_rows(tmp_path, "held_out", tmp_path / "eval_calls.jsonl", 100)
     c = controller(placements, tmp_path, "quickstart.yaml", "run.name=agent_sync",
                    "algorithm.old_logprobs=pass", "trainer.eval_every=1",
-                   f"data.eval_path={held_out}", "data.eval_fraction=0", "trainer.total_steps=1")
+                   f"data.eval_path={held_out}", "data.eval_fraction=0", "trainer.eval_k=2",
+                   "trainer.total_steps=1")
     seen = {}
     advantages = c.advantages
 
@@ -63,6 +64,7 @@ def test_an_openai_sdk_program_trains_on_the_engines_tokens_call_by_call(placeme
     try:
         metrics = c.step(1)
         metrics.update(c.evaluate(1))
+        c.recorder.record(c.placement, 1)
     finally:
         c.shutdown()
     samples, tok = seen["samples"], c.tokenizer
@@ -104,24 +106,27 @@ def test_an_openai_sdk_program_trains_on_the_engines_tokens_call_by_call(placeme
     # times sampled, for pass@k, which the run samples at its temperature)
     notes = [{x["fingerprint"] for x in s_["calls"]} for s_ in logged(
         tmp_path / "eval_calls.jsonl")]
+    trace = json.loads((c.run_dir / "timeline.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "agent program" for e in trace)
     k = c.cfg.trainer.eval_k
     assert notes.count({GREEDY_NOTE}) == 2 * 14 and notes.count({None}) == 2 * 14 * k
 
 
-def test_one_step_pipeline_streams_agent_trajectories(placements, tmp_path):
-    c = controller(placements, tmp_path, "quickstart_fully_async.yaml", "run.name=agent_one_step",
-                   "pipeline.mode=one_step", "ray.num_cpus_per_rollout_worker=0.5",
-                   "run.timeline_steps=0")
+def test_fully_async_pipeline_streams_agent_trajectories_disaggregated(placements, tmp_path):
+    c = controller(placements, tmp_path, "quickstart_fully_async.yaml", "run.name=agent_async",
+                   "ray.num_cpus_per_rollout_worker=0.5", "run.timeline_steps=0")
     seen = []
     advantages = c.advantages
     c.advantages = lambda samples, rewards: seen.append(samples) or advantages(samples, rewards)
     try:
-        metrics = [c.step(k) for k in (1, 2)]
+        metrics = [c.step(k) for k in (1, 2, 3)]
     finally:
         c.shutdown()
-    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0]
+    bound = c.cfg.pipeline.max_staleness
+    assert all(m["rollout/staleness_max"] <= bound for m in metrics), metrics
     for samples in seen:
         ok = [s for s in samples if s.turns == 3]
+        # each token keeps the version that sampled it, across the syncs between calls
         assert ok and all(len(s.token_versions) == len(s.response_ids) for s in ok)
         assert all([v for v, _, _ in runs(s.loss_mask)] == [1, 0, 1, 0, 1] for s in ok)
         assert any(s.env_error for s in samples)

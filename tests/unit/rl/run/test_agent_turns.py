@@ -177,3 +177,29 @@ def test_a_call_with_another_temperature_is_refused_in_training(tokenizer, serve
     turns.remember("g", {})
     result = turns.begin(turns.start("g", 0))
     assert result.done and result.error == "agent program returned before its first call"
+
+
+def test_the_recipes_agent_scripted_for_the_warm_up_renders_as_the_tools_env(tmp_path, server):
+    """The warm-up's SFT target of recipes/quickstart_openai_agent.yaml (its program, replies
+    scripted) is token for token the tools quickstart's (the calculator env's)."""
+    from transformers import AutoTokenizer
+
+    from envs.config import EnvConfig
+    from envs.openai_agent import OpenAIAgent
+    from envs.registry import env_factory
+    from rl.data.models import build_tiny_model
+    from rl.data.warmup import scripted_trajectory
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model("tiny-qwen2-tools",
+                                                         out_dir=tmp_path / "t"))
+    program = OpenAIAgent("recipes/agents/calculator_agent.py:solve")
+    turns = AgentTurns(program, tok, server, 3, None, 10.0, SAMPLING)
+    row = {"prompt": [{"role": "user", "content": "What is 47 * 386?"}], "answer": "18142"}
+    script = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 386"}}\n'
+              '</tool_call>', "18152"]
+    prompt, ids, mask = turns.script(row, script, tok.eos_token_id)
+    want_ids, want_mask = scripted_trajectory(
+        env_factory(EnvConfig(name="tools", tools=["calculator"])), row, script, tok)
+    assert prompt == tok.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert (ids, mask) == (want_ids, want_mask) and "18142" in tok.decode(ids)
