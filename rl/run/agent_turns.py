@@ -15,11 +15,11 @@ pending when a limit ended the trajectory, gets an error.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
 
 from envs.agent_session import Session
+from rl.run.turns import EnvTurns, GroupRows, worker_span
 from rollout.stream import TurnResult
 
 GREEDY_NOTE = "rlstack-greedy-evaluation"  # system_fingerprint of an evaluation's replies
@@ -33,22 +33,32 @@ class _Agent:
     body: dict = field(default_factory=dict)  # the pending call's request
 
 
-class AgentTurns:
+def turn_handler(env_cfg, tokenizer, rollout_cfg, spans=None, server=None):
+    """The generation loops' TurnHandler for the run's env (an envs.config.EnvConfig): an
+    AgentTurns when it is an agent program (envs.openai_agent; server() gives the engine's
+    envs.agent_server.AgentServer), else rl.run.turns.EnvTurns."""
+    from envs.openai_agent import OpenAIAgent
+    from envs.registry import env_factory
+
+    make_env = env_factory(env_cfg)
+    if issubclass(make_env.func, OpenAIAgent):
+        return AgentTurns(make_env(), tokenizer, server(), env_cfg.max_turns,
+                          env_cfg.turn_max_new_tokens, env_cfg.step_timeout_s,
+                          {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p},
+                          spans)
+    return EnvTurns(make_env, tokenizer, env_cfg.max_turns, env_cfg.step_timeout_s, spans)
+
+
+class AgentTurns(GroupRows):
     def __init__(self, env, tokenizer, server, max_turns: int, turn_tokens: int | None,
                  step_timeout_s: float, sampling: dict, spans=None):
         """env: the run's envs.openai_agent.OpenAIAgent (its program); server: this engine's
         envs.agent_server.AgentServer; sampling: the run's {temperature, top_p}; turn_tokens:
         env.turn_max_new_tokens (None: no cap beyond the budget)."""
+        super().__init__()
         self.env, self.tokenizer, self.server = env, tokenizer, server
         self.max_turns, self.turn_tokens = max_turns, turn_tokens
         self.step_timeout_s, self.sampling, self.spans = step_timeout_s, sampling, spans
-        self.rows: dict[object, dict] = {}
-
-    def remember(self, key: object, row: dict) -> None:
-        self.rows[key] = row
-
-    def forget(self, key: object) -> None:
-        self.rows.pop(key, None)
 
     def start(self, key: object, index: int, greedy: bool = False) -> _Agent:
         return self._open(self.rows[key], greedy)
@@ -69,13 +79,8 @@ class AgentTurns:
             return self._next(state, first=True)
 
     def _span(self, state: _Agent):
-        """An `agent program` span on the timeline (timeline.json): the wait for the program's
-        next move, one lane per worker thread."""
-        if self.spans is None:
-            return contextlib.nullcontext()
-        lane = threading.current_thread().name.rpartition("_")[2]  # the pool's worker index
-        return self.spans.span("agent program", call=state.session.calls + 1,
-                               lane=1 + int(lane) if lane.isdigit() else 1)
+        """An `agent program` span on the timeline: the wait for the program's next move."""
+        return worker_span(self.spans, "agent program", call=state.session.calls + 1)
 
     def step(self, state: _Agent, turn_ids: list[int], finish_reason: str,
              logprobs: list[float] | None) -> TurnResult:

@@ -39,7 +39,7 @@ class RolloutRole(Role):
         if env is not None and env.name is not None:
             from transformers import AutoTokenizer
 
-            from rl.run.turns import turn_handler
+            from rl.run.agent_turns import turn_handler
 
             self.turns = turn_handler(env, AutoTokenizer.from_pretrained(model_path), cfg,
                                       self.spans, self.serve_agents)

@@ -9,6 +9,7 @@ else than an envs.api.Step ends its trajectory with the error kept; the run goes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 import time
@@ -61,24 +62,6 @@ def _problem(step) -> str:
     return ""
 
 
-def turn_handler(env_cfg, tokenizer, rollout_cfg, spans=None, server=None):
-    """The generation loops' TurnHandler for the run's env (an envs.config.EnvConfig):
-    EnvTurns, or rl.run.agent_turns.AgentTurns when it is an agent program
-    (envs.openai_agent); server() gives the engine's envs.agent_server.AgentServer."""
-    from envs.openai_agent import OpenAIAgent
-    from envs.registry import env_factory
-
-    make_env = env_factory(env_cfg)
-    if issubclass(make_env.func, OpenAIAgent):
-        from rl.run.agent_turns import AgentTurns
-
-        return AgentTurns(make_env(), tokenizer, server(), env_cfg.max_turns,
-                          env_cfg.turn_max_new_tokens, env_cfg.step_timeout_s,
-                          {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p},
-                          spans)
-    return EnvTurns(make_env, tokenizer, env_cfg.max_turns, env_cfg.step_timeout_s, spans)
-
-
 def check_env(make_env, tokenizer) -> None:
     """Make the run's environment once (make_env: envs.registry.env_factory's) and render an
     observation with the model's chat template: raises ValueError/TypeError with the reason
@@ -87,24 +70,40 @@ def check_env(make_env, tokenizer) -> None:
     observation_ids(tokenizer, [{"role": "tool", "content": "0"}], env.tools or None, None)
 
 
-class EnvTurns:
-    """Made once per generation loop; `remember(key, row)` keeps the row (rl.data.prompts'
-    env_row) each trajectory of group `key` resets its environment with."""
+def worker_span(spans, name: str, **args):
+    """A span on the timeline (timeline.json) for what a generation loop's worker thread does
+    now, in a lane of its own (the pool's worker index); a no-op without `spans`."""
+    if spans is None:
+        return contextlib.nullcontext()
+    lane = threading.current_thread().name.rpartition("_")[2]
+    return spans.span(name, lane=1 + int(lane) if lane.isdigit() else 1, **args)
 
-    def __init__(self, make_env, tokenizer, max_turns: int, step_timeout_s: float,
-                 spans=None):
-        """make_env: a callable making one environment (env_factory); spans: an
-        rl.observe.timeline.Spans that records each env step (timeline.json)."""
-        self.make_env, self.tokenizer = make_env, tokenizer
-        self.max_turns, self.step_timeout_s, self.spans = max_turns, step_timeout_s, spans
+
+class GroupRows:
+    """The rows the trajectories of each submitted group start from: `remember(key, row)` at
+    submit (rl.data.prompts' env_row), `forget(key)` once the group is done."""
+
+    def __init__(self):
         self.rows: dict[object, dict] = {}
 
     def remember(self, key: object, row: dict) -> None:
         self.rows[key] = row
 
     def forget(self, key: object) -> None:
-        """The group is done: its row is not needed any more."""
         self.rows.pop(key, None)
+
+
+class EnvTurns(GroupRows):
+    """Made once per generation loop: each trajectory of group `key` resets its environment
+    with the row remembered for it."""
+
+    def __init__(self, make_env, tokenizer, max_turns: int, step_timeout_s: float,
+                 spans=None):
+        """make_env: a callable making one environment (env_factory); spans: an
+        rl.observe.timeline.Spans that records each env step (timeline.json)."""
+        super().__init__()
+        self.make_env, self.tokenizer = make_env, tokenizer
+        self.max_turns, self.step_timeout_s, self.spans = max_turns, step_timeout_s, spans
 
     def start(self, key: object, index: int, greedy: bool = False) -> _Trajectory:
         env = self.make_env()
@@ -113,11 +112,7 @@ class EnvTurns:
 
     def step(self, state: _Trajectory, turn_ids: list[int], finish_reason: str,
              logprobs: list[float] | None = None) -> TurnResult:
-        if self.spans is None:
-            return self._step(state, turn_ids)
-        lane = threading.current_thread().name.rpartition("_")[2]  # the pool's worker index
-        with self.spans.span("env step", turn=state.turns + 1,
-                             lane=1 + int(lane) if lane.isdigit() else 1):
+        with worker_span(self.spans, "env step", turn=state.turns + 1):
             return self._step(state, turn_ids)
 
     def _step(self, state: _Trajectory, turn_ids: list[int]) -> TurnResult:

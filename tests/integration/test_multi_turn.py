@@ -51,17 +51,14 @@ def controller(placements, tmp: Path, recipe: str, *extra: str) -> Controller:
     return c
 
 
-def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing_envs(
-        placements, tmp_path):
-    c = controller(placements, tmp_path, "quickstart.yaml", "run.name=sync",
-                   "algorithm.old_logprobs=pass", "trainer.eval_every=1",
-                   "data.eval_path=" + str(write_rows(tmp_path, "held_out", 100)),
-                   "data.eval_fraction=0",
-                   "trainer.total_steps=1")
+def step_and_evaluate(c: Controller) -> tuple[list, dict]:
+    """Step 1, the held-out evaluation and the timeline, then c shut down: (the step's samples
+    as its advantages took them, after prepare: the trainer's logprobs are on them; the step's
+    and the evaluation's metrics)."""
     seen = {}
     advantages = c.advantages
 
-    def keep(samples, token_rewards):  # after prepare: the trainer's logprobs are on them
+    def keep(samples, token_rewards):
         seen["samples"] = samples
         return advantages(samples, token_rewards)
 
@@ -72,7 +69,18 @@ def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing
         c.recorder.record(c.placement, 1)
     finally:
         c.shutdown()
-    samples, tok = seen["samples"], c.tokenizer
+    return seen["samples"], metrics
+
+
+def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing_envs(
+        placements, tmp_path):
+    c = controller(placements, tmp_path, "quickstart.yaml", "run.name=sync",
+                   "algorithm.old_logprobs=pass", "trainer.eval_every=1",
+                   "data.eval_path=" + str(write_rows(tmp_path, "held_out", 100)),
+                   "data.eval_fraction=0",
+                   "trainer.total_steps=1")
+    samples, metrics = step_and_evaluate(c)
+    tok = c.tokenizer
     hows = {s.row: c.prompts.rows[s.row]["how"] for s in samples}
     ok = [s for s in samples if hows[s.row] == "ok"]
     assert ok and len(ok) < len(samples)

@@ -14,7 +14,7 @@ from rl.config import load_config
 from rl.run.agent_turns import GREEDY_NOTE
 from rl.run.controller import Controller
 from tests.integration.agents import GO_ON, TURN
-from tests.integration.test_multi_turn import runs
+from tests.integration.test_multi_turn import runs, step_and_evaluate
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -53,21 +53,8 @@ def test_an_openai_sdk_program_trains_on_the_engines_tokens_call_by_call(placeme
                    "algorithm.old_logprobs=pass", "trainer.eval_every=1",
                    f"data.eval_path={held_out}", "data.eval_fraction=0", "trainer.eval_k=2",
                    "trainer.total_steps=1")
-    seen = {}
-    advantages = c.advantages
-
-    def keep(samples, token_rewards):  # after prepare: the trainer's logprobs are on them
-        seen["samples"] = samples
-        return advantages(samples, token_rewards)
-
-    c.advantages = keep
-    try:
-        metrics = c.step(1)
-        metrics.update(c.evaluate(1))
-        c.recorder.record(c.placement, 1)
-    finally:
-        c.shutdown()
-    samples, tok = seen["samples"], c.tokenizer
+    samples, metrics = step_and_evaluate(c)
+    tok = c.tokenizer
     rows = {s.row: c.prompts.rows[s.row] for s in samples}
     sessions = logged(tmp_path / "calls.jsonl")
     ok = [s for s in samples if rows[s.row]["how"] == "ok"]
