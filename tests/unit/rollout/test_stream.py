@@ -283,3 +283,50 @@ def test_a_bad_answer_of_the_turn_handler_ends_its_trajectory_never_loses_it(eng
     assert got["cancelled"]["error"].startswith("CancelledError")
     assert got["zero_budget"]["truncated"] and not got["zero_budget"]["error"]
     assert got["fine"]["env_reward"] == 0.5 and not got["fine"]["error"]
+
+
+class Branching(Turns):
+    """A handler that makes each trajectory's first prompt itself (`begin`), restarts it from a
+    new prompt after its first turn (a branch), ends it after the second, and is told each
+    trajectory's end (`finish`); group 'hang' never answers its first turn."""
+
+    def __init__(self):
+        super().__init__(turns=2)
+        self.finished = []
+
+    def begin(self, state):
+        from rollout.stream import TurnResult
+
+        return TurnResult(prompt=[7, 7, 7], next_turn_tokens=2)
+
+    def step(self, state, turn_ids, finish_reason, logprobs=None):
+        from rollout.stream import TurnResult
+
+        if state["key"] == "hang":
+            time.sleep(0.5)
+        state["t"] += 1
+        if state["t"] == 1:
+            return TurnResult(prompt=[5, 5], info={"branches": 1})
+        return TurnResult(done=True, reward=1.0)
+
+    def finish(self, state):
+        with self.lock:
+            self.finished.append(state["key"])
+
+
+def test_a_handler_makes_the_prompt_restarts_a_branch_and_hears_every_end(engine):
+    handler = Branching()
+    loop = GenerationLoop(engine, version=0, n=1, max_new_tokens=50, turns=handler,
+                          turn_tokens=3)
+    try:
+        loop.submit([("g", [1, 2], 0, None), ("hang", [1, 2], 0, None)])
+        (group,) = collect_all(loop, 1)
+    finally:
+        loop.stop()  # 'hang' is still in its env step: it ends with the loop
+    c = group["completions"][0]
+    # the first turn from begin's prompt (2 tokens: its next_turn_tokens), then the branch: the
+    # trajectory is the second prompt and what was sampled from it, nothing of the first
+    assert [(p, m) for _, p, m in engine.added[:1]] == [([7, 7, 7], 2)]
+    assert c["prompt_ids"] == [5, 5] and c["token_ids"] == [2, 3, 4] and c["loss_mask"] == [1] * 3
+    assert c["env_reward"] == 1.0 and c["info"] == {"branches": 1}
+    assert sorted(handler.finished) == ["g", "hang"]
