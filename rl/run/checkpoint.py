@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from rl.config import ConfigError, load_config
@@ -121,6 +121,11 @@ class ResumePoint:
     def step(self) -> int:
         return int(self.state["step"])
 
+    @property
+    def driver(self) -> "DriverState":
+        """The driver's part, as `save` wrote it."""
+        return DriverState(**{f.name: self.state[f.name] for f in fields(DriverState)})
+
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     marker = checkpoints_dir(run_dir) / "latest"
@@ -190,8 +195,8 @@ def check_resume(cfg: Config, point: ResumePoint, allow_change: bool) -> None:
         raise ConfigError(f"--resume: the config differs from the checkpoint's in {shown}"
                           f"{' ...' if len(differ) > 6 else ''}; resume with the checkpoint's "
                           f"values, or pass --allow-config-change")
-    model = point.state["model_path"]
-    if not Path(model).is_dir() or model_digest(model) != point.state["model_sha256"]:
+    model = point.driver.model_path
+    if not Path(model).is_dir() or model_digest(model) != point.driver.model_sha256:
         raise ConfigError(f"--resume: the base model {model} that {point.checkpoint} was trained "
                           f"from is gone or changed (a wiped warm-up cache?); restore it, or start "
                           f"a new run")
@@ -280,14 +285,14 @@ def restore(point: ResumePoint, placement, model_path: str, probe: list[int], pr
 
     supersede_newer(point)
     directory = str(point.checkpoint)
-    version = int(point.state["policy_version"])
+    version = int(point.driver.policy_version)
     placement.init_rollout(model_path, version, engines)
     # both sides hold the base model until the checkpoint loads: the probe's noise floor
     placement.measure_probe_noise(probe)
     ray.get([w.load_checkpoint.remote(directory) for w in placement.trainers])
     if version > 0:  # the engines start from the base model: give them the saved policy
         placement.sync(version, probe)
-    prompts.load_state(point.state["prompts"])
+    prompts.load_state(point.driver.prompts)
     rng = torch.load(point.checkpoint / "rng.pt", weights_only=False)
     actors = [a for _, a in actor_tracks(placement)]
     if len(rng["actors"]) != len(actors):

@@ -81,7 +81,7 @@ class RunLifecycle:
         rows = self.rows if self.rows is not None else checked_rows(cfg)
         resume = self.resume
         # a resumed run starts from the base model its checkpoint was trained from (checked)
-        model_path = (resume.state["model_path"] if resume
+        model_path = (resume.driver.model_path if resume
                       else resolve_model_path(cfg.model.path, cfg.run.seed))
         self.load_prompts(rows, model_path)
         self.run_dir = resume.run_dir if resume else new_run_dir(cfg)
@@ -163,10 +163,10 @@ class RunLifecycle:
                                         cfg, script)
         self.model_path = model_path
         # the base model's content hash goes into checkpoints: a resume refuses a changed one
-        self.model_sha256 = (resume.state["model_sha256"] if resume else
+        self.model_sha256 = (resume.driver.model_sha256 if resume else
                              ckpt.model_digest(model_path) if cfg.trainer.checkpoint_every else None)
         # a resumed run's engines hold the base model until the checkpoint's policy is synced
-        version = resume.state["policy_version"] if resume else self.policy_version
+        version = resume.driver.policy_version if resume else self.policy_version
         with span("init trainer"):
             inits = [w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,

@@ -1,6 +1,7 @@
 """Checkpoint publishing (a crash mid-save never damages `latest`), pruning, finding what
 --resume means, and refusing a resume that would not continue the same run."""
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -18,9 +19,9 @@ def fake_model(path):
 def write_checkpoint(run_dir, step, cfg, model):
     tmp = ckpt.begin(run_dir, step)
     (tmp / "config.yaml").write_text(to_yaml(cfg))
-    (tmp / "controller.json").write_text(json.dumps({
-        "step": step, "policy_version": step, "model_path": str(model),
-        "model_sha256": ckpt.model_digest(str(model)), "metrics": {"step": step}}))
+    state = ckpt.DriverState(step, {}, str(model), ckpt.model_digest(str(model)))
+    (tmp / "controller.json").write_text(json.dumps({  # as ckpt.save writes it
+        "step": step, **asdict(state), "metrics": {"step": step}}))
     return tmp
 
 
