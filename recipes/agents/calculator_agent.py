@@ -49,7 +49,9 @@ async def solve(client, row, max_calls: int = 3):
         if not message.tool_calls:
             return None  # the run's reward functions score this final answer
         for call in message.tool_calls:
-            arguments = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": calculator(**arguments)})
+            try:
+                result = calculator(**json.loads(call.function.arguments))
+            except (TypeError, ValueError) as e:  # arguments it does not take: tell the model
+                result = f"error: {e}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
