@@ -61,8 +61,8 @@ class Sample:
         """The sample of one engine completion (a dict: rollout.vllm_engine.Completion's fields,
         or rollout.stream's, which add per-token versions and the multi-turn fields, among
         them its own prompt: an agent program renders its own)."""
-        return cls(row, group, c.get("prompt_ids", prompt_ids), c["token_ids"], c["logprobs"], c["finish_reason"],
-                   c["text"], policy_version=(c["versions"][0] if token_versions
+        return cls(row, group, c.get("prompt_ids", prompt_ids), c["token_ids"], c["logprobs"],
+                   c["finish_reason"], c["text"], policy_version=(c["versions"][0] if token_versions
                                               and c["versions"] else version),
                    token_versions=c["versions"] if token_versions else [],
                    loss_mask=c.get("loss_mask", []), turns=c.get("turns", 1),
