@@ -21,6 +21,7 @@ import time
 import torch
 
 from weight_sync.buckets import SyncStats, full_numel, tied_head_alias
+from weight_sync.report import SyncReport
 
 
 class ColocatedSync:
@@ -55,17 +56,19 @@ class ColocatedSync:
                 self.shared = shared
         return bool(self.shared)
 
-    def adapters_only(self) -> None:
+    def adapters_only(self, nbytes: int) -> SyncReport:
         """LoRA adapter syncs (sync.lora=adapters): the base never changes, so nothing is shared
-        and nothing byte-checked; the adapter goes its own way (weight_sync.adapters)."""
+        and nothing byte-checked; the adapter (`nbytes`) went its own way
+        (weight_sync.adapters)."""
         self.shared = False
+        return self._report(SyncStats(bytes=nbytes))
 
     def run(self, module: torch.nn.Module, engine, version: int, bucket_bytes: int,
-            keeps_views: bool) -> SyncStats:
+            keeps_views: bool) -> SyncReport:
         """Make the engine(s) hold `module`'s weights, the way `share` chose (collective over
         the trainer ranks); keeps_views: local buckets' tensors may be kept by the engine."""
         if self.tp_size > 1:
-            return self._write_tp_slices(module, engine)
+            return self._report(self._write_tp_slices(module, engine))
         if self.shared:
             stats = SyncStats()
             t0 = time.perf_counter()
@@ -73,17 +76,39 @@ class ColocatedSync:
             engine.weights_changed()
             stats.add_time("write", time.perf_counter() - t0)
             stats.bytes = sum(full_numel(p) * p.element_size() for p in module.parameters())
-            return stats
+            return self._report(stats)
         from weight_sync.transport import LocalTransport
 
         transport = LocalTransport(bucket_bytes, self.slots, keeps_views=keeps_views)
         transport.send(module, version)
         stats = transport.receive(engine.load_weights, version)
         self.slots = transport.shared
-        return stats
+        return self._report(stats)
 
-    def bytes_per_tp_rank(self, stats: SyncStats) -> int:
-        return self.tp_rank_bytes if self.tp_size > 1 else stats.bytes
+    def _report(self, stats: SyncStats) -> SyncReport:
+        return SyncReport.of(stats, bytes_per_tp_rank=self.tp_rank_bytes if self.tp_size > 1
+                             else stats.bytes)
+
+    def verify(self, report: SyncReport, trainer, engine, probe: list[int], tolerance: float,
+               exact: bool, where: str) -> None:
+        """After `run`: the engine's parameters byte for byte against the trainer's (`exact`,
+        where they are the shared weights at TP 1), then the probe's logprobs, trainer's
+        (`sequence_logprobs`, a collective under ZeRO-3) against the engine's
+        (`prompt_logprobs`; no engine: nothing to compare); raises ExactCheckError or
+        WeightSyncError, else adds both checks to `report`."""
+        from weight_sync.verify import check_logprobs
+
+        t0 = time.perf_counter()
+        checked = (self.check_exact(trainer.sync_module(), engine, where)
+                   if exact and self.shared and self.tp_size == 1 else 0)
+        t1 = time.perf_counter()
+        report.exact(t1 - t0, checked)
+        trainer_lps = trainer.sequence_logprobs(probe)
+        t2 = time.perf_counter()
+        engine_lps = engine.prompt_logprobs(probe) if engine is not None else None
+        report.phases.update(probe_trainer=t2 - t1, probe_engine=time.perf_counter() - t2)
+        report.probe(0.0 if engine_lps is None else
+                     check_logprobs(trainer_lps, engine_lps, tolerance, where), tolerance)
 
     def check_exact(self, module: torch.nn.Module, engine, where: str) -> int:
         """Whether the engine's parameters hold the bytes of `module`'s, range by range

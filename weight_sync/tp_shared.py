@@ -46,6 +46,7 @@ class TPSharedWeights:
         self.spec, self.layouts, self._maps = spec, dict(layouts), dict(maps)
         self.memory = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in self._maps.items()}
         self.views = {r: layout.views(self.memory[r]) for r, layout in self.layouts.items()}
+        self.written = dict.fromkeys(self.layouts, 0)  # bytes per rank of the last `write`
 
     @classmethod
     def create(cls, engine, spec: TPSpec) -> TPSharedWeights:
@@ -99,7 +100,7 @@ class TPSharedWeights:
               ) -> dict[int, int]:
         """Write each (HF name, full tensor) as every held rank's slice (`ranks`: only those);
         `aliases`: extra engine name -> HF name (a tied head sent once). Returns the bytes
-        written per rank; every element of every slice must be written (the vocab's padding
+        written per rank (kept as `written`); every element of every slice must be written (the vocab's padding
         rows excepted), else DirectLoadError, before the engine reads."""
         ranks = list(self.views) if ranks is None else list(ranks)
         written = dict.fromkeys(ranks, 0)
@@ -112,7 +113,8 @@ class TPSharedWeights:
                     written[r] += counts[r]
         expected = self.expected()
         check_filled([written[r] for r in ranks], [expected[r] for r in ranks])
-        return {r: n * self.itemsize(r) for r, n in written.items()}
+        self.written = {r: n * self.itemsize(r) for r, n in written.items()}
+        return self.written
 
     def write_shards(self, params: Iterable[tuple[str, torch.nn.Parameter]],
                      aliases: Mapping[str, str], rank: int, world: int) -> dict[int, int]:

@@ -10,7 +10,6 @@ and no flag switches behaviour.
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import phase_seconds
 from rl.run.rollout_worker import RolloutRole
 from rl.run.trainer_worker import TrainerRole
 
@@ -67,15 +66,15 @@ class ColocatedWorker(TrainerRole, RolloutRole):
     @traced("sync")
     def sync_weights(self, version: int, bucket_bytes: int, probe: list[int],
                      tolerance: float | None = None, exact: bool = True,
-                     adapters: bool = False) -> dict:
+                     adapters: bool = False):
         """Make this rank's engine the trainer's weights (collective over the trainer ranks:
         weight_sync.colocated), then verify them: byte for byte where the engine holds the
         shared weights (`exact`), and on a probe (tolerance None: the dtypes' uncalibrated
         default). `adapters` (trainer.lora, sync.lora=adapters): the LoRA adapter alone, into
-        the engine's LoRA."""
+        the engine's LoRA. Returns this rank's weight_sync.report.SyncReport."""
         import time
 
-        from weight_sync.verify import check_logprobs, probe_tolerance
+        from weight_sync.verify import probe_tolerance
 
         if self.engine is not None:
             tolerance = probe_tolerance(self.trainer.cfg.dtype, self.engine.dtype, tolerance)
@@ -83,45 +82,23 @@ class ColocatedWorker(TrainerRole, RolloutRole):
         t0 = time.perf_counter()
         self.policy_version = None
         if adapters:  # the base never changes: no shared weights, no byte check
-            stats = self._sync_adapter(version)
-            sync.adapters_only()
+            payload = self.adapter_payload("sum64", every_rank=True)  # collective (ZeRO-3)
+            report = sync.adapters_only(
+                self.install_adapter(version, payload) if self.engine is not None else 0)
         else:
             if sync.shared is None and sync.share(
                     self.engine, self.direct_load and self.device == "cpu"):
                 self._place_weights_directly()  # the placer must write to the shared copy too
-            stats = sync.run(self.trainer.sync_module(), self.engine, version, bucket_bytes,
-                             keeps_views=not self.direct_load)
-        seconds = time.perf_counter() - t0
+            report = sync.run(self.trainer.sync_module(), self.engine, version, bucket_bytes,
+                              keeps_views=not self.direct_load)
+        report.seconds = time.perf_counter() - t0
+        report.ways = {"direct_load": self.direct_load, "shared_weights": bool(sync.shared)}
         with self.spans.span("verification"):
-            exact = exact and sync.shared and self.tp_size == 1
-            checked = self.check_shared_exact() if exact else 0
-            t_exact = time.perf_counter() - t0 - seconds
-            trainer_lps = self.trainer.sequence_logprobs(probe)
-            t1 = time.perf_counter()
-            engine_lps = self.engine.prompt_logprobs(probe) if self.engine else None
-            t2 = time.perf_counter()
-        diff = 0.0 if engine_lps is None else check_logprobs(
-            trainer_lps, engine_lps, tolerance, f"rank {self.rank}")
+            sync.verify(report, self.trainer, self.engine, probe, tolerance, exact,
+                        f"rank {self.rank}")
         self.trainer.release_merged()  # LoRA, merged: its copy is not needed until the next sync
         self.policy_version = version
-        return {"sync/seconds": seconds, "sync/exact_seconds": t_exact,
-                "sync/exact_ranges": float(checked),
-                "sync/probe_trainer_seconds": t1 - seconds - t_exact - t0,
-                "sync/probe_engine_seconds": t2 - t1, "sync/bytes": stats.bytes,
-                "sync/bytes_per_tp_rank": sync.bytes_per_tp_rank(stats),
-                "sync/num_buckets": stats.num_buckets, "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
-                "sync/direct_load": float(self.direct_load),
-                "sync/shared_weights": float(bool(sync.shared)), **phase_seconds(stats)}
-
-    def _sync_adapter(self, version: int):
-        from weight_sync.buckets import SyncStats
-
-        stats = SyncStats()
-        payload = self.adapter_payload("sum64", every_rank=True)  # a collective under ZeRO-3
-        if self.engine is not None:
-            stats.bytes = self.install_adapter(version, payload)
-        return stats
+        return report
 
     def check_shared_exact(self) -> int:
         """Whether the engine's parameters hold the bytes of the trainer's (collective over the

@@ -157,13 +157,12 @@ class Colocated(Placement):
         return [pair for pair in pairs if pair[1] is not None]
 
     def sync(self, version: int, probe: list[int]) -> dict:
+        from weight_sync.report import slowest
+
         tolerance = self.sync_tolerance()
-        results = get_all([w.sync_weights.remote(version, self.bucket_bytes, probe, tolerance,
-                                                 self.cfg.sync.exact, adapter_rank(self.cfg) > 0)
-                           for w in self.trainers])
-        # the slowest rank's times; a path flag is 1 only if every rank took that path
-        flags = ("sync/direct_load", "sync/shared_weights")
-        return {k: (min if k in flags else max)(r[k] for r in results) for k in results[0]}
+        return slowest(get_all([w.sync_weights.remote(
+            version, self.bucket_bytes, probe, tolerance, self.cfg.sync.exact,
+            adapter_rank(self.cfg) > 0) for w in self.trainers])).metrics()
 
 
 class Disaggregated(Placement):
@@ -249,6 +248,7 @@ class Disaggregated(Placement):
 
         import ray
 
+        from weight_sync.report import SyncReport, broadcast
         from weight_sync.verify import check_logprobs
 
         t0 = time.perf_counter()
@@ -259,9 +259,9 @@ class Disaggregated(Placement):
             received = get_all([e.load_adapter.remote(version, payloads[0])
                                 for e in self.engines], peers=payloads)
             get_all(payloads[1:])  # the other ranks' part of the gather (None each)
-            size = received[0]["sync/bytes"]
-            sent = {"sync/bytes": size, "sync/num_buckets": 1, "sync/max_bucket_bytes": size,
-                    "sync/in_place": 0.0}
+            size = received[0].bytes
+            sent = SyncReport(bytes=size, num_buckets=1, max_bucket_bytes=size,
+                              ways={"in_place": False})
         else:
             sends = [t.send_weights.remote(version, self.bucket_bytes, sync.checksum)
                      for t in self.trainers]
@@ -271,29 +271,22 @@ class Disaggregated(Placement):
             # receiver that finds a bad bucket still drains every bucket, so senders finish
             sent = get_all(sends, peers=receives)[0]
             received = get_all(receives)  # raises the first engine's WeightSyncError
-        seconds = time.perf_counter() - t0
+        report = broadcast(sent, received, time.perf_counter() - t0)
+        report.ways["cross_host"] = self.cross_host
         tp1 = self.cfg.rollout.tensor_parallel_size == 1  # (no exact check of TP slices yet)
-        exact = (self.check_exact() if sync.exact and sent["sync/in_place"] and tp1
-                 else {"sync/exact_seconds": 0.0, "sync/exact_ranges": 0.0})
+        report.exact(*(self.check_exact() if sync.exact and sent.ways["in_place"] and tp1
+                       else (0.0, 0)))
         tolerance = self.sync_tolerance()
-        diff = max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
-                   for i, (trainer, lps) in enumerate(self.probe_pairs(probe)))
+        report.probe(max(check_logprobs(trainer, lps, tolerance, f"rollout engine {i}")
+                         for i, (trainer, lps) in enumerate(self.probe_pairs(probe))), tolerance)
         if self.streaming:  # checked: generation goes on under the new version
             ray.get([e.resume_stream.remote() for e in self.engines])
-        return {"sync/seconds": seconds, "sync/bytes": sent["sync/bytes"],
-                "sync/bytes_per_tp_rank": max(r["sync/bytes_per_tp_rank"] for r in received),
-                "sync/num_buckets": sent["sync/num_buckets"],
-                "sync/max_bucket_bytes": sent["sync/max_bucket_bytes"],
-                "sync/logprob_max_abs_diff": diff, "sync/tolerance": tolerance,
-                "sync/direct_load": min(r["sync/direct_load"] for r in received), **exact,
-                "sync/in_place": sent["sync/in_place"], "sync/cross_host": self.cross_host,
-                **{k: v for k, v in sent.items() if k.startswith("sync/send_")},
-                **{k: max(r[k] for r in received) for k in received[0]
-                   if k.startswith("sync/receive_")}}
+        return report.metrics()
 
-    def check_exact(self) -> dict:
+    def check_exact(self) -> tuple[float, int]:
         """Every engine's parameters against the bytes the trainer ranks sent in place, range
-        by range (`weight_sync.exact`); raises ExactCheckError."""
+        by range (`weight_sync.exact`); raises ExactCheckError, else returns (seconds, the
+        fewest ranges an engine checked)."""
         import time
 
         import ray
@@ -302,8 +295,7 @@ class Disaggregated(Placement):
         ranges = [r for part in ray.get([t.exact_digests.remote() for t in self.trainers])
                   for r in part]
         checked = ray.get([e.check_exact.remote(ranges) for e in self.engines])
-        return {"sync/exact_seconds": time.perf_counter() - t0,
-                "sync/exact_ranges": float(min(checked))}
+        return time.perf_counter() - t0, min(checked)
 
 
 class EnginesOnly(Placement):

@@ -20,11 +20,6 @@ def cpu_binding(rank: int, world_size: int, num_cpus: int, first_core: int = 0) 
     return f"{first}-{first + per_rank - 1}"
 
 
-def phase_seconds(stats, prefix: str = "") -> dict:
-    """sync/<prefix><phase>_seconds for each timed phase of a transfer (gather, wire, load...)."""
-    return {f"sync/{prefix}{phase}_seconds": s for phase, s in stats.seconds.items()}
-
-
 def release_free_memory() -> None:
     """Hand memory the process freed back to the system: tcmalloc (ray.cpu_malloc) and glibc
     both keep freed pages for reuse, so a kept actor would go on holding a freed KV cache."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rl.observe.timeline import traced
-from rl.run.role import Role, phase_seconds
+from rl.run.role import Role
 from rollout.config import RolloutConfig
 
 
@@ -19,7 +19,7 @@ class RolloutRole(Role):
     stream = None  # rollout.stream.GenerationLoop in the asynchronous pipeline modes
     interruptible = True
     tp_shared = None  # at TP > 1: the ranks' weights (weight_sync.tp_shared), written by syncs
-    tp_bytes = 0  # the most bytes the last sync wrote into one TP rank
+    receiver = None  # disaggregated: weight_sync.broadcast.BroadcastReceiver
     env = None  # envs.config.EnvConfig of a multi-turn run
     turns = None  # rl.run.turns' EnvTurns or AgentTurns: multi-turn, every generation
     agent_server = None  # envs.agent_server.AgentServer: agent programs' endpoint (kept)
@@ -102,10 +102,7 @@ class RolloutRole(Role):
             self.tp_shared = TPSharedWeights.create(
                 self.engine, TPSpec.from_hf_config(config, self.engine.tp_size))
 
-            def place(weights):
-                self.tp_bytes = max(self.tp_shared.write(weights).values())
-
-            self.engine.set_weight_placer(place)
+            self.engine.set_weight_placer(self.tp_shared.write)
             self.direct_load = True
         elif self.engine.lora_rank and not self.engine.weights_in_place():
             return  # syncs move the adapter alone: the base stays as packed at load (cpu_linear)
@@ -266,47 +263,47 @@ class RolloutRole(Role):
             self.stream.resume(self.policy_version)
 
     @traced("sync")
-    def receive_weights(self, version: int) -> dict:
-        """Disaggregated sync, receiving side (bucket size and checksum come with the layout).
-        Streaming, the loop pauses first and stays paused until `resume_stream`: nothing is
-        generated with weights the probe has not checked."""
+    def receive_weights(self, version: int):
+        """Disaggregated sync, receiving side (bucket size and checksum come with the layout);
+        a weight_sync.report.SyncReport. Streaming, the loop pauses first and stays paused until
+        `resume_stream`: nothing is generated with weights the probe has not checked."""
         import time
 
-        from weight_sync.transport import BroadcastTransport
+        from weight_sync.broadcast import BroadcastReceiver
 
         t0 = time.perf_counter()
+        self.pause_for_sync()
+        self.receiver = self.receiver or BroadcastReceiver(self.sync_group)
+        report = self.receiver.receive(self.engine, version, self.direct_load, self.packed,
+                                       self.tp_shared)
+        self.policy_version = version
+        report.phases["receive"] = time.perf_counter() - t0  # the pause included
+        return report
+
+    def pause_for_sync(self) -> None:
+        """Streaming, the loop pauses (cutting what is in flight when interruptible); the engine
+        holds no version until the sync's whole version has arrived and checked out."""
         if self.stream is not None:
             self.stream.pause(interrupt=self.interruptible)
-        self.policy_version = None  # until the whole version has arrived and checked out
-        stats = BroadcastTransport(self.sync_group, 0).receive(
-            self.engine.load_weights, version, keeps_views=not self.direct_load,
-            packed=self.packed)
-        self.engine.weights_changed()  # in-place buckets bypass load_weights
-        self.policy_version = version
-        if self.engine.tp_size == 1:
-            per_rank = stats.bytes
-        else:  # in place: the buckets each rank's memory took; else what the placer wrote
-            per_rank = max(stats.rank_bytes.values()) if stats.rank_bytes else self.tp_bytes
-        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
-                "sync/bytes_per_tp_rank": per_rank,
-                "sync/direct_load": float(self.direct_load), **phase_seconds(stats, "receive_")}
+        self.policy_version = None
 
     @traced("sync")
-    def load_adapter(self, version: int, adapter: dict) -> dict:
+    def load_adapter(self, version: int, adapter: dict):
         """Adapter sync (trainer.lora with sync.lora=adapters), receiving side: `adapter` (what
         `TrainerRole.adapter_payload` made) checked against its checksum, written as PEFT's
-        files to shared memory and loaded into the engine as policy `version`. Streaming, the
-        loop pauses first and stays paused until `resume_stream`, as for full weights."""
+        files to shared memory and loaded into the engine as policy `version`; a
+        weight_sync.report.SyncReport. Streaming, the loop pauses first and stays paused until
+        `resume_stream`, as for full weights."""
         import time
 
+        from weight_sync.report import SyncReport
+
         t0 = time.perf_counter()
-        if self.stream is not None:
-            self.stream.pause(interrupt=self.interruptible)
-        self.policy_version = None  # until the adapter has arrived and checked out
+        self.pause_for_sync()
         nbytes = self.install_adapter(version, adapter)
         self.policy_version = version
-        return {"sync/receive_seconds": time.perf_counter() - t0, "sync/bytes": nbytes,
-                "sync/bytes_per_tp_rank": nbytes, "sync/direct_load": 0.0}
+        return SyncReport(bytes=nbytes, bytes_per_tp_rank=nbytes, ways={"direct_load": False},
+                          phases={"receive": time.perf_counter() - t0})
 
     def install_adapter(self, version: int, adapter: dict) -> int:
         """Check `adapter` against its checksum, write it as PEFT's files to shared memory and

@@ -3,7 +3,7 @@ checkpoints and the sending side of a disaggregated weight sync."""
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import Role, phase_seconds
+from rl.run.role import Role
 from update.config import LossConfig, TrainerConfig
 
 
@@ -11,17 +11,20 @@ class TrainerRole(Role):
     """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
 
     trainer = critic = None
-    # disaggregated: the trainer ranks' shared-memory bucket slots (weight_sync.node_buckets),
-    # made on the first sync; False when the ranks span several machines, train on GPUs, or
-    # /dev/shm is too small (a colocated worker's are its ColocatedSync's)
-    shared_slots = None
-    engine_layout = None  # the engines' packed layouts by TP rank (weight_sync.in_place), if any
+    sender = None  # disaggregated: weight_sync.broadcast.BroadcastSender, kept with the trainer
+
+    def broadcast_sender(self):
+        """This rank's side of a disaggregated sync (made on first use: its shared-memory slots
+        and the engines' layout are decided again for each new trainer)."""
+        if self.sender is None:
+            from weight_sync.broadcast import BroadcastSender
+
+            self.sender = BroadcastSender(self.sync_group)
+        return self.sender
 
     def set_engine_layout(self, encoded: str | None) -> None:
         """The engines' packed layout (by TP rank: weight_sync.in_place.encode_layouts)."""
-        from weight_sync.in_place import decode_layouts
-
-        self.engine_layout = None if encoded is None else decode_layouts(encoded)
+        self.broadcast_sender().set_engine_layout(encoded)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from update.distributed import init_distributed
@@ -45,8 +48,8 @@ class TrainerRole(Role):
             self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
 
     def free_models(self) -> None:
-        # the shared-memory slots are decided again for the next trainer
-        self.trainer = self.critic = self.shared_slots = self.engine_layout = None
+        # the sync's shared-memory slots are decided again for the next trainer
+        self.trainer = self.critic = self.sender = None
         super().free_models()
 
     @traced("prepare")
@@ -81,28 +84,11 @@ class TrainerRole(Role):
         return self.trainer.sequence_logprobs(token_ids)
 
     @traced("sync")
-    def send_weights(self, version: int, bucket_bytes: int, checksum: str) -> dict:
+    def send_weights(self, version: int, bucket_bytes: int, checksum: str):
         """Disaggregated sync, sending side: every rank helps assemble each bucket (shared
-        memory, or a gather), rank 0 broadcasts it."""
-        import time
-
-        from weight_sync.transport import BroadcastTransport
-
-        t0 = time.perf_counter()
-        engine = None
-        if self.engine_layout is not None:
-            from weight_sync.resharding import TPSpec
-
-            engine = (self.engine_layout, TPSpec.from_hf_config(self.trainer.module.config,
-                                                                len(self.engine_layout)))
-        transport = BroadcastTransport(self.sync_group, bucket_bytes, checksum, self.shared_slots,
-                                       engine)
-        stats = transport.send(self.trainer.sync_module(), version)
-        self.shared_slots = transport.shared
-        return {"sync/send_seconds": time.perf_counter() - t0, "sync/bytes": stats.bytes,
-                "sync/num_buckets": stats.num_buckets,
-                "sync/max_bucket_bytes": stats.max_bucket_bytes,
-                "sync/in_place": float(transport.in_place), **phase_seconds(stats, "send_")}
+        memory, or a gather), rank 0 broadcasts it; a weight_sync.report.SyncReport."""
+        return self.broadcast_sender().send(self.trainer.sync_module(), self.trainer.module.config,
+                                            version, bucket_bytes, checksum)
 
     @traced("sync")
     def adapter_payload(self, checksum_name: str, every_rank: bool = False) -> dict | None:
@@ -124,13 +110,8 @@ class TrainerRole(Role):
     def exact_digests(self) -> list:
         """Disaggregated, in place: this rank's `weight_sync.exact` digests of what the last
         sync sent, for the engines to check their parameters against."""
-        from weight_sync.exact import trainer_digests
-        from weight_sync.resharding import TPSpec
-
-        spec = TPSpec.from_hf_config(self.trainer.module.config, 1)
-        # (TP 1: the placement skips it at TP > 1)
-        return trainer_digests(self.engine_layout[0], spec, self.trainer.sync_module(),
-                               self.rank, self.world_size)
+        return self.sender.exact_digests(self.trainer.sync_module(), self.trainer.module.config,
+                                         self.rank, self.world_size)
 
     @traced("checkpoint")
     def save_checkpoint(self, directory: str) -> None:

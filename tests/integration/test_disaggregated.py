@@ -109,7 +109,7 @@ def test_one_element_an_engine_holds_apart_from_the_trainer_is_named(pools):
     probe = list(range(3, 60))
     train_once(ray, placement)
     placement.sync(3, probe)
-    assert placement.check_exact()["sync/exact_ranges"] > 0
+    assert placement.check_exact()[1] > 0
     name = "model.layers.0.mlp.down_proj.weight"
     ray.get(placement.engines[1].__ray_call__.remote(_nudge, name))
     with pytest.raises(ExactCheckError, match="rollout engine 1: .*1 of .*down_proj"):

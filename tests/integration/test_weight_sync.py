@@ -75,7 +75,7 @@ def test_sync_round_trip_tied_embeddings(tied_workers):
 
     stats = ray.get([w.sync_weights.remote(1, int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
                      for w in workers])
-    for s in stats:
+    for s in (report.metrics() for report in stats):
         assert s["sync/logprob_max_abs_diff"] <= 1e-3
         assert s["sync/direct_load"] == 1.0  # kept CPU weights: copied into, then re-packed
         assert s["sync/shared_weights"] == 1.0  # one copy for both engines, written in place
@@ -95,7 +95,7 @@ def test_an_engine_rebuilt_beside_its_trainer_leaves_the_trainers_process_group(
     assert min(max_diffs(ray, workers, probe)) > 1e-3  # base weights again, trainers moved on
     stats = ray.get([w.sync_weights.remote(1, int(cfg.sync.bucket_mb * 2**20), probe, 1e-3)
                      for w in workers])
-    assert all(s["sync/logprob_max_abs_diff"] <= 1e-3 for s in stats)
+    assert all(s.logprob_max_abs_diff <= 1e-3 for s in stats)
 
 
 def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, placements, tmp_path_factory):
@@ -109,7 +109,8 @@ def test_packed_cpu_linears_sync_through_vllms_reload(ray_session, placements, t
         probe = list(range(3, 60))
         update_once(ray, workers)
         assert min(max_diffs(ray, workers, probe)) > 1e-3  # the update moved the policy
-        for stats in ray.get([w.sync_weights.remote(1, 2**16, probe, 1e-3) for w in workers]):
+        for report in ray.get([w.sync_weights.remote(1, 2**16, probe, 1e-3) for w in workers]):
+            stats = report.metrics()
             assert stats["sync/direct_load"] == 0.0 and stats["sync/shared_weights"] == 0.0
             assert stats["sync/num_buckets"] > 1  # bounded buckets, not the whole model at once
             assert stats["sync/logprob_max_abs_diff"] <= 1e-3
@@ -140,8 +141,7 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, placements, tmp_path_
         stats = ray.get([w.sync_weights.remote(1, 2**16, probe, tolerance) for w in workers])
         after = max(max_diffs(ray, workers, probe))
         assert after <= tolerance < before
-        assert all(s["sync/direct_load"] == 1.0 and s["sync/shared_weights"] == 1.0
-                   for s in stats)
+        assert all(s.ways == {"direct_load": True, "shared_weights": True} for s in stats)
 
 
 def _snapshot(self, key: str) -> None:
