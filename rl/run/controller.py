@@ -1,5 +1,5 @@
 """The RL controller: generate -> score -> prepare -> advantages -> update -> sync, per step
-(set-up, recovery and checkpoints: rl.run.lifecycle)."""
+(set-up, recovery and checkpoints: the rl.run.lifecycle.RunLifecycle it holds)."""
 from __future__ import annotations
 
 import time
@@ -16,13 +16,12 @@ from rl.run.collect import collect, mask_untrained, overlong_penalty
 from rl.run.lifecycle import RunLifecycle
 from rl.run.step_metrics import (env_metrics, rollout_records, sample_metrics,
                                  staleness_metrics, time_metrics)
-from rl.run.tracks import TimelineRecorder
 from rl.schema import Config
 from update.losses import MAX_METRICS, BatchCounts, old_logprob_metrics
 from update.losses import kl as kl_estimate
 
 
-class Controller(RunLifecycle):
+class Controller:
     """One RL step, as the algorithm reads: generate -> score -> prepare -> advantages -> update
     -> sync (and evaluate when due); `run` loops over the steps."""
 
@@ -36,20 +35,42 @@ class Controller(RunLifecycle):
         placements: an rl.run.pool.PlacementPool to take the actors from and give them back
         to (several runs in one driver); None: this run starts and stops its own."""
         self.cfg = cfg
-        self.placements = placements
-        self.rows = rows
-        self.resume = resume
-        self.resume_command = resume_command
-        self.restarts = 0
-        self.placement = None
-        self.producer = None  # rl.run.pipeline.RolloutProducer in the async pipeline modes
-        self.scorer = None
-        self.policy_version = 0  # bumped by every sync; engines and samples carry it
         self.spans = Spans()  # the driver's track of timeline.json
-        self.recorder = TimelineRecorder(self.spans)
-        self.log = None
-        self.plan_metrics: dict = {}
-        self.evaluator = None  # rl.run.evaluate.Evaluator when there is a held-out set
+        self.life = RunLifecycle(cfg, rows, resume, resume_command, placements, self.spans)
+        self.producer = None  # rl.run.pipeline.RolloutProducer in the async pipeline modes
+        self.policy_version = 0  # bumped by every sync; engines and samples carry it
+
+    def setup(self) -> None:
+        """Set the run up (the lifecycle), then start generating."""
+        self.policy_version = self.life.setup()
+        self.start()
+
+    def start(self) -> None:
+        """With the engines at the run's first policy version: a new run scores its base model
+        on the held-out set before step 1; the async modes start streaming; the log opens."""
+        life = self.life
+        first_eval = (self.evaluate(0) if life.evaluator is not None and life.resume is None
+                      else None)
+        self.producer = None
+        if self.cfg.pipeline.mode != "sync":  # the engines stream from here on
+            from rl.run.pipeline import RolloutProducer
+
+            self.placement.start_streams(self.cfg.pipeline.interruptible)
+            self.producer = RolloutProducer(self.cfg, self.prompts, self.engines, self.score)
+        life.open_log(first_eval)
+
+    @property
+    def placement(self):
+        return self.life.placement
+
+    @property
+    def prompts(self):
+        """The training prompts (rl.data.prompts.PromptSet)."""
+        return self.life.prompts
+
+    @property
+    def tokenizer(self):
+        return self.life.tokenizer
 
     @property
     def trainers(self) -> list:
@@ -93,7 +114,7 @@ class Controller(RunLifecycle):
         it gave one); score = reward + overlong shaping (what advantages use), the length being
         the tokens of the budget (rollout.max_new_tokens) spent."""
         algo, max_len = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
-        rewards, metrics = self.scorer.score(
+        rewards, metrics = self.life.scorer.score(
             [self.prompts.rows[s.row] for s in samples], [s.text for s in samples],
             [s.env_reward for s in samples])
         for s, r in zip(samples, rewards):
@@ -110,9 +131,10 @@ class Controller(RunLifecycle):
         """Old/reference logprobs and values from the trainers, once per batch; (mismatch and
         KL metrics, the KL reward penalty per token [B, R] when the KL is not a loss term, else
         None)."""
-        parts = split_ranks(samples, len(self.trainers), self.grad_accum)
+        parts = split_ranks(samples, len(self.trainers), self.life.grad_accum)
         pad = self.tokenizer.pad_token_id
-        results = get_all([w.prepare.remote([collate(m, pad, self.share_prompts) for m in micros])
+        share = self.life.share_prompts
+        results = get_all([w.prepare.remote([collate(m, pad, share) for m in micros])
                            for w, micros in zip(self.trainers, parts)])
         for micros, outs in zip(parts, results):
             for micro, out in zip(micros, outs):
@@ -154,8 +176,9 @@ class Controller(RunLifecycle):
         num_steps = algo.ppo_epochs * algo.num_mini_batches
         for epoch in range(algo.ppo_epochs):
             plan = plan_update(samples, len(self.trainers), algo.num_mini_batches,
-                               self.grad_accum, self.tokenizer.pad_token_id,
-                               (self.cfg.run.seed + step) * 1000 + epoch, self.share_prompts)
+                               self.life.grad_accum, self.tokenizer.pad_token_id,
+                               (self.cfg.run.seed + step) * 1000 + epoch,
+                               self.life.share_prompts)
             for ranks, counts in zip(plan.mini_batches, plan.counts):
                 merged = reduce_rank_metrics(get_all([w.train.remote(mb, counts)
                                                       for w, mb in zip(self.trainers, ranks)]))
@@ -173,11 +196,11 @@ class Controller(RunLifecycle):
 
         version = self.policy_version + 1
         try:
-            metrics = self.placement.sync(version, self.probe)
+            metrics = self.placement.sync(version, self.life.probe)
             metrics["sync/retries"] = 0.0
         except WeightSyncError as e:
             print(f"weight sync failed, retrying once: {e}", flush=True)
-            metrics = self.placement.sync(version, self.probe)
+            metrics = self.placement.sync(version, self.life.probe)
             metrics["sync/retries"] = 1.0
         self.policy_version = version
         metrics["sync/policy_version"] = float(version)
@@ -190,13 +213,13 @@ class Controller(RunLifecycle):
 
         if self.placement.streaming:  # async: the last step is done
             self.placement.stop_streams()
-        metrics = self.evaluator.run(self.engines, self.policy_version, step)
+        metrics = self.life.evaluator.run(self.engines, self.policy_version, step)
         print(console_line(step, metrics), flush=True)
         return {"step": step, **metrics}
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
-        return self.evaluator is not None and (
+        return self.life.evaluator is not None and (
             step == self.cfg.trainer.total_steps or bool(every) and step % every == 0)
 
     def step(self, step: int) -> dict:
@@ -225,20 +248,21 @@ class Controller(RunLifecycle):
         metrics.update(staleness_metrics(samples, self.policy_version))
         metrics.update(batch.engine_stats)
         metrics["data/filtered_overlong"] = float(self.prompts.num_filtered)
-        metrics.update(self.plan_metrics)  # the plan's figures beside the measured ones
+        metrics.update(self.life.plan_metrics)  # the plan's figures beside the measured ones
         metrics.update(time_metrics(step, batch, t0, t1, t2, t3, self.producer is not None))
         decode = self.tokenizer.decode if multi_turn else None
-        self.log.log_rollouts(step, rollout_records(samples, self.prompts.texts,
+        self.life.log.log_rollouts(step, rollout_records(samples, self.prompts.texts,
                                                     self.cfg.run.log_samples, decode))
         return metrics
 
     def run(self) -> Path:
         """Set up, train cfg.trainer.total_steps steps, save; returns the run directory."""
+        life = self.life
         try:
             import ray
 
             self.setup()
-            step = self.start_step
+            step = life.start_step
             while step <= self.cfg.trainer.total_steps:
                 try:
                     metrics = self.step(step)
@@ -246,15 +270,19 @@ class Controller(RunLifecycle):
                         metrics.update(self.evaluate(step))
                     # saved before the step's line is logged: a resume restores a line that a
                     # crash between the two left unwritten, and never writes one twice
-                    metrics.update(self.checkpoint(step, metrics))
-                    self.log.log_step(metrics)
-                    self.recorder.record(self.placement, step)
+                    metrics.update(life.checkpoint(
+                        step, metrics, self.policy_version,
+                        self.producer.unconsumed if self.producer is not None else None))
+                    life.log.log_step(metrics)
+                    life.recorder.record(self.placement, step)
                     step += 1
                 except ray.exceptions.RayActorError as e:
-                    step = self.recover(e, step)
-            final = self.finish()
-            self.recorder.record(self.placement, self.cfg.trainer.total_steps, final=True)
-            print(f"done: metrics {self.log.metrics_path}, model {final}", flush=True)
-            return self.run_dir
+                    self.policy_version = life.recover(e, step)
+                    self.start()
+                    step = life.start_step
+            final = life.finish()
+            life.recorder.record(self.placement, self.cfg.trainer.total_steps, final=True)
+            print(f"done: metrics {life.log.metrics_path}, model {final}", flush=True)
+            return life.run_dir
         finally:
-            self.shutdown()
+            life.shutdown()

@@ -1,7 +1,7 @@
 """A run's life around its steps: setting up (data, Ray, the placement, the warm-up, trainers and
 engines, or a checkpoint's state), restarting from the latest checkpoint after an actor died,
-saving checkpoints and the final model, shutting down. rl.run.controller.Controller has these
-beside its step."""
+saving checkpoints and the final model, shutting down. rl.run.controller.Controller holds one
+and reads what it set up; the lifecycle is told the policy version and returns what it makes."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -11,12 +11,12 @@ from rl.config import ConfigError, grad_accum_steps, to_yaml
 from rl.errors import ActorFailure, death_cause, prompt_error, stop_on_sigterm
 from rl.observe.metrics import RunLog
 from rl.observe.progress import wait_with_progress
-from rl.observe.timeline import traced
+from rl.observe.timeline import Spans, traced
 from rl.run import checkpoint as ckpt
 from rl.run.cluster import start_ray
 from rl.run.placement import start_placement
 from rl.run.rewarding import RewardScorer, checked_rows
-from rl.run.tracks import dead_actor
+from rl.run.tracks import TimelineRecorder, dead_actor
 from rl.schema import Config
 
 
@@ -70,10 +70,26 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 class RunLifecycle:
-    """Set-up, recovery, checkpoints and shutdown of a Controller (which holds the state)."""
+    """Set-up, recovery, checkpoints and shutdown of one run, and what they made: the tokenizer,
+    the training and held-out prompts, the run directory, the placement, the scorer, the
+    evaluator, the log."""
+
+    def __init__(self, cfg: Config, rows=None, resume=None,
+                 resume_command=lambda run_dir: f"rl-train RECIPE --resume {run_dir}",
+                 placements=None, spans=None):
+        """As rl.run.controller.Controller's arguments; spans: the driver's timeline track."""
+        self.cfg, self.rows, self.resume = cfg, rows, resume
+        self.resume_command, self.placements = resume_command, placements
+        self.spans = spans if spans is not None else Spans()
+        self.recorder = TimelineRecorder(self.spans)
+        self.restarts = 0
+        self.placement = self.scorer = self.log = self.evaluator = None
+        self.plan_metrics: dict = {}
 
     # ------------------------------------------------------------------ set-up
-    def setup(self) -> None:
+    def setup(self) -> int:
+        """Everything up to the first step; returns the policy version the engines hold (0, or
+        a checkpoint's)."""
         from rl.data.models import resolve_model_path
 
         cfg = self.cfg
@@ -108,7 +124,7 @@ class RunLifecycle:
         first = self.prompts.rows[0]
         answer = self.tokenizer.encode(str(first.get("answer", "")), add_special_tokens=False)
         self.probe = self.prompts.prompt_ids[0] + answer + [self.tokenizer.eos_token_id]
-        self.start_workers(model_path, resume)
+        return self.start_workers(model_path, resume)
 
     def load_prompts(self, rows, model_path: str) -> None:
         """The tokenizer, and the training and held-out prompts rendered with it: what cannot
@@ -143,70 +159,70 @@ class RunLifecycle:
                   + (f"; {rows.dropped} training rows with a held-out prompt dropped)"
                      if rows.dropped else ")"), flush=True)
 
-    def start_workers(self, model_path: str, resume) -> None:
+    def start_workers(self, model_path: str, resume) -> int:
         """The placement, the warm-up (a new run), the trainers, the engines at the policy
-        version (a new run's base model, or the checkpoint's policy), the logs."""
+        version (a new run's base model, or the checkpoint's policy); returns that version."""
         import ray
 
         from rl.data.warmup import run_warmup
-        from rl.observe.loggers import open_loggers
 
         cfg, span = self.cfg, self.spans.span
         with span("start placement"):
             self.placement = (self.placements.start(cfg) if self.placements is not None
                               else start_placement(cfg))
+        trainers = self.placement.trainers
         if cfg.warmup.sft_steps > 0 and not resume:
             from rl.run.agent_turns import warmup_script
 
             with span("warm-up"), warmup_script(cfg, self.tokenizer, self.prompts) as script:
-                model_path = run_warmup(self.trainers, model_path, self.prompts, self.tokenizer,
+                model_path = run_warmup(trainers, model_path, self.prompts, self.tokenizer,
                                         cfg, script)
         self.model_path = model_path
         # the base model's content hash goes into checkpoints: a resume refuses a changed one
         self.model_sha256 = (resume.driver.model_sha256 if resume else
                              ckpt.model_digest(model_path) if cfg.trainer.checkpoint_every else None)
         # a resumed run's engines hold the base model until the checkpoint's policy is synced
-        version = resume.driver.policy_version if resume else self.policy_version
+        version = resume.driver.policy_version if resume else 0
         with span("init trainer"):
             inits = [w.init_trainer.remote(model_path, cfg.trainer, cfg.algorithm.loss,
                                            self.grad_accum, cfg.rollout.temperature,
                                            float(cfg.rollout.max_new_tokens), cfg.algorithm.critic,
                                            cfg.run.seed)
-                     for w in self.trainers]
+                     for w in trainers]
             # engines apart from the trainers build meanwhile (colocated: after, same actors)
             engines = self.placement.start_rollout(model_path, int(version))
             ray.get(inits)
-        start = resume.step + 1 if resume else 1
+        self.start_step = resume.step + 1 if resume else 1
         if resume:
             with span("load checkpoint"):
                 # trainers, engines (synced), data, RNG
-                self.policy_version = ckpt.restore(resume, self.placement, model_path,
-                                                   self.probe, self.prompts, engines)
-        else:
-            with span("init engines"):
-                self.placement.init_rollout(model_path, self.policy_version, engines)
-            self.placement.measure_probe_noise(self.probe)
-        # a new run scores its base model on the held-out set before step 1
-        first_eval = self.evaluate(0) if self.evaluator is not None and not resume else None
-        self.producer = None
-        if cfg.pipeline.mode != "sync":  # the engines stream from here on
-            from rl.run.pipeline import RolloutProducer
+                return ckpt.restore(resume, self.placement, model_path, self.probe,
+                                    self.prompts, engines)
+        with span("init engines"):
+            self.placement.init_rollout(model_path, version, engines)
+        self.placement.measure_probe_noise(self.probe)
+        return version
 
-            self.placement.start_streams(cfg.pipeline.interruptible)
-            self.producer = RolloutProducer(cfg, self.prompts, self.engines, self.score)
+    def open_log(self, first_eval: dict | None) -> None:
+        """The run's metrics log and loggers, from the first step on (a resumed run's keeps
+        its earlier lines); first_eval: the base model's held-out scores, logged first."""
+        from rl.observe.loggers import open_loggers
+
+        cfg, start = self.cfg, self.start_step
         loggers = open_loggers(cfg.run.loggers, self.run_dir, asdict(cfg), cfg.run.wandb_project,
                                start)
+        resume = self.resume
         self.log = RunLog(self.run_dir, cfg.trainer.total_steps, loggers,
                           resume=(resume.step, resume.state["metrics"]) if resume else None)
         if first_eval is not None:
             self.log.log_step(first_eval)
-        self.start_step = start
         self.recorder.record(self.placement, start - 1)
 
     def recover(self, error, step: int) -> int:
         """An actor died during `step`: one line naming it and the cause; with restarts left,
-        restart the placement from the latest checkpoint and return the step to go on from;
-        else raise ActorFailure with the command that resumes the run."""
+        restart the placement from the latest checkpoint (`start_workers`: `resume` and
+        `start_step` are then the checkpoint's) and return the policy version it holds; else
+        raise ActorFailure with the command that resumes the run."""
         from rl.run.checkpoint import latest_checkpoint
 
         line = (f"{dead_actor(self.placement, error)} died during step {step}: "
@@ -223,27 +239,27 @@ class RunLifecycle:
               f"{self.cfg.trainer.max_restarts})", flush=True)
         self.log.close()
         self.placement.stop()
-        point = ckpt.find_resume_point(self.cfg, str(last))
+        self.resume = ckpt.find_resume_point(self.cfg, str(last))
         self.recorder.start(self.run_dir / "timeline.json", self.cfg.run.timeline_steps,
-                            keep_until=point.step)
-        self.start_workers(self.model_path, point)
-        return point.step + 1
+                            keep_until=self.resume.step)
+        return self.start_workers(self.model_path, self.resume)
 
     # ------------------------------------------------------------------ outputs
-    def checkpoint(self, step: int, metrics: dict) -> dict:
-        """Save checkpoint `step` when it is due (its size and save time are metrics)."""
+    def checkpoint(self, step: int, metrics: dict, version: int, unconsumed: int | None) -> dict:
+        """Save checkpoint `step` of policy `version` when it is due (its size and save time
+        are metrics); unconsumed: the async producer's groups not trained yet (None: sync)."""
         every = self.cfg.trainer.checkpoint_every
         if every and step % every == 0:
-            if self.producer is not None:
-                print(f"checkpoint step_{step}: {self.producer.unconsumed} groups handed out or "
+            if unconsumed is not None:
+                print(f"checkpoint step_{step}: {unconsumed} groups handed out or "
                       f"buffered and not trained are not in it; a resume drops them and "
                       f"generates from the prompts after them", flush=True)
-            return self.save_checkpoint(step, metrics)
+            return self.save_checkpoint(step, metrics, version)
         return {}
 
     @traced("checkpoint")
-    def save_checkpoint(self, step: int, metrics: dict) -> dict:
-        state = ckpt.DriverState(self.policy_version, self.prompts.state(), self.model_path,
+    def save_checkpoint(self, step: int, metrics: dict, version: int) -> dict:
+        state = ckpt.DriverState(version, self.prompts.state(), self.model_path,
                                  self.model_sha256)
         return ckpt.save(self.run_dir, step, metrics, self.cfg, self.placement, state,
                          self.resume_command(self.run_dir))
@@ -251,7 +267,8 @@ class RunLifecycle:
     @traced("save")
     def finish(self) -> Path:
         final = self.run_dir / "final_model"
-        wait_with_progress([w.save_hf.remote(str(final.resolve())) for w in self.trainers],
+        wait_with_progress([w.save_hf.remote(str(final.resolve()))
+                            for w in self.placement.trainers],
                            "saving the final model")
         self.tokenizer.save_pretrained(final)
         if self.cfg.trainer.lora is not None:  # final_model is the adapter; beside it, merged

@@ -66,9 +66,9 @@ def step_and_evaluate(c: Controller) -> tuple[list, dict]:
     try:
         metrics = c.step(1)
         metrics.update(c.evaluate(1))
-        c.recorder.record(c.placement, 1)
+        c.life.recorder.record(c.placement, 1)
     finally:
-        c.shutdown()
+        c.life.shutdown()
     return seen["samples"], metrics
 
 
@@ -109,7 +109,7 @@ def test_three_turn_trajectories_train_on_the_engines_tokens_and_survive_failing
     assert 0 < metrics["env/masked_token_frac"] < 1 and metrics["env/scripted_steps"] > 1
     assert metrics["sync/logprob_max_abs_diff"] < 1e-3  # the update was synced and checked
     assert metrics["eval/num_prompts"] == 16  # the held-out rows ran the script too, greedily
-    run_dir = c.run_dir
+    run_dir = c.life.run_dir
     greedy = [json.loads(x) for x in (run_dir / "eval" / "step_1.jsonl").read_text().splitlines()]
     assert sum(len(g["conversation"]) == 5 for g in greedy) == 12  # the "ok" rows
     records = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
@@ -132,7 +132,7 @@ def test_one_step_pipeline_streams_multi_turn_trajectories(placements, tmp_path)
     try:
         metrics = [c.step(k) for k in (1, 2)]
     finally:
-        c.shutdown()
+        c.life.shutdown()
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0]
     for samples in seen:
         ok = [s for s in samples if s.turns == 3]

@@ -93,7 +93,7 @@ def test_an_openai_sdk_program_trains_on_the_engines_tokens_call_by_call(placeme
     # times sampled, for pass@k, which the run samples at its temperature)
     notes = [{x["fingerprint"] for x in s_["calls"]} for s_ in logged(
         tmp_path / "eval_calls.jsonl")]
-    trace = json.loads((c.run_dir / "timeline.json").read_text())["traceEvents"]
+    trace = json.loads((c.life.run_dir / "timeline.json").read_text())["traceEvents"]
     assert any(e.get("name") == "agent program" for e in trace)
     k = c.cfg.trainer.eval_k
     assert notes.count({GREEDY_NOTE}) == 2 * 14 and notes.count({None}) == 2 * 14 * k
@@ -108,7 +108,7 @@ def test_fully_async_pipeline_streams_agent_trajectories_disaggregated(placement
     try:
         metrics = [c.step(k) for k in (1, 2, 3)]
     finally:
-        c.shutdown()
+        c.life.shutdown()
     bound = c.cfg.pipeline.max_staleness
     assert all(m["rollout/staleness_max"] <= bound for m in metrics), metrics
     for samples in seen:

@@ -36,7 +36,7 @@ def test_one_step_trains_every_batch_one_version_old(placements, tmp_path):
     try:
         metrics = [c.step(k) for k in range(1, 4)]
     finally:
-        c.shutdown()
+        c.life.shutdown()
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
     assert [m["rollout/policy_version"] for m in metrics] == [0.0, 0.0, 1.0]
     assert all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in metrics)
@@ -53,7 +53,7 @@ def test_lora_streams_one_step_behind(placements, tmp_path, mode):
     try:
         metrics = [c.step(k) for k in range(1, 4)]
     finally:
-        c.shutdown()
+        c.life.shutdown()
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in metrics)
     sizes = [m["sync/bytes"] for m in metrics]
@@ -67,7 +67,7 @@ def async_run(placements, tmp_path_factory):
     c = controller_for(placements, tmp, "fully_async", "pipeline.max_staleness=1",
                        f"rollout.max_new_tokens={LONG}", "rollout.max_model_len=512")
     yield c
-    c.shutdown()
+    c.life.shutdown()
 
 
 def quiesce(c: Controller) -> None:
@@ -197,7 +197,7 @@ def test_a_corrupted_sync_stops_generation_until_a_sync_repairs_it(async_run):
     engine, prompt, v = generate_then_train(c, key, 10)
     ray.get(c.placement.trainers[0].__ray_call__.remote(corrupt_next_send_on_actor, 0))
     with pytest.raises(WeightSyncError):
-        c.placement.sync(v + 1, c.probe)
+        c.placement.sync(v + 1, c.life.probe)
     frozen = ray.get(engine.stream_status.remote())
     time.sleep(1.0)
     assert frozen["paused"] and ray.get(engine.stream_status.remote()) == frozen

@@ -213,7 +213,7 @@ def _steps_then_fault(cfg, fault, target: str) -> dict:
         except SyncVerificationError as e:
             result["stopped"] = str(e)
     finally:
-        c.shutdown()
+        c.life.shutdown()
     return result
 
 
