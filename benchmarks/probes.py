@@ -56,7 +56,7 @@ def measure_gather(worker, bucket_bytes: int, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for _ in iter_full_weights(worker.trainer.module, bucket_bytes, {}):
+        for _ in iter_full_weights(worker.trainer_role.trainer.module, bucket_bytes, {}):
             pass
         best = min(best, time.perf_counter() - t0)
     return best
@@ -72,10 +72,10 @@ def measure_reload(worker, model_path: str, repeats: int = 3) -> float:
 
     weights = [item for f in sorted(Path(model_path).glob("*.safetensors"))
                for item in load_file(f).items()]
-    worker.policy_version = None
+    worker.rollout_role.policy_version = None
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        worker.engine.load_weights(weights)
+        worker.rollout_role.engine.load_weights(weights)
         best = min(best, time.perf_counter() - t0)
     return best

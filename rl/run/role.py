@@ -1,12 +1,17 @@
-"""What both worker roles share: the process set-up (threads, core pinning, the device), random
+"""What every worker actor shares: the process set-up (threads, core pinning, the device), random
 states, the timeline's spans, the weight-sync group's rendezvous.
 
 The actors are a trainer rank (rl.run.trainer_worker), a rollout engine (rl.run.rollout_worker),
-or both taking turns in one process (rl.run.colocated_worker). They only wire things together:
-the trainer, the engine and the weight transport stay separate objects.
+or one of each taking turns in one process (rl.run.colocated_worker). Each actor holds its
+roles (`TrainerRole`, `RolloutRole`) as parts, which read the process's facts (`Process`) and
+never their actor; Ray makes an actor's remote methods from its class, so `forward` gives the
+actor class a method for each of its parts'.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+import functools
+import inspect
 import os
 
 from rl.observe.timeline import Spans
@@ -32,20 +37,69 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-class Role:
-    """Process set-up shared by both roles: threads and core pinning on CPU, the device name."""
+@dataclass
+class Process:
+    """A worker process's facts, shared by the roles it holds."""
 
+    rank: int  # among the actors of its kind (trainer ranks, or engines)
+    world_size: int
+    device: str  # "cpu" or "cuda"
     cpu_cores: tuple[int, int] | None = None  # on CPU: (first, count) of the cores of the ranks
+    spans: Spans = field(default_factory=Spans)  # for the run's timeline.json
+    sync_group: object = None  # weight_sync.collective.CollectiveGroup, once joined
+
+
+class OnProcess:
+    """Reads its process's facts as its own attributes (`traced` records into `spans`)."""
+
+    process: Process
+    rank = property(lambda self: self.process.rank)
+    world_size = property(lambda self: self.process.world_size)
+    device = property(lambda self: self.process.device)
+    cpu_cores = property(lambda self: self.process.cpu_cores)
+    spans = property(lambda self: self.process.spans)
+    sync_group = property(lambda self: self.process.sync_group)
+
+
+def forward(part_cls: type, attr: str):
+    """Class decorator for a worker actor holding a part of part_cls as `attr`: every public
+    method of part_cls that the actor class does not have becomes the actor's, calling its
+    part's. A name two parts both offer must be defined by the actor."""
+    def decorate(cls):
+        for name, fn in inspect.getmembers(part_cls, inspect.isfunction):
+            current = getattr(cls, name, None)
+            to = getattr(current, "forwards_to", None)
+            if name.startswith("_") or current is not None and to is None:
+                continue  # private, or the actor's own
+            if to not in (None, attr):
+                raise TypeError(f"{cls.__name__}.{name} is offered by its parts {to} and "
+                                f"{attr}: define it on {cls.__name__}")
+            setattr(cls, name, _forwarder(attr, name, fn))
+        return cls
+    return decorate
+
+
+def _forwarder(attr: str, name: str, fn):
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        return getattr(getattr(self, attr), name)(*args, **kwargs)
+
+    method.forwards_to = attr
+    return method
+
+
+class Role(OnProcess):
+    """A worker actor's process set-up: threads and core pinning on CPU, the device name."""
 
     def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
         """cores: (first, count) of the machine's cores this role's ranks share (a
         disaggregated run whose roles work at the same time); None: all of them."""
         import torch
 
-        self.rank, self.world_size = rank, world_size
+        cpu_cores = None
         if not torch.cuda.is_available():
             first_core, num_cpus = cores or (0, os.cpu_count() or 1)
-            self.cpu_cores = (first_core, num_cpus)  # the cores this role's ranks share
+            cpu_cores = (first_core, num_cpus)  # the cores this role's ranks share
             threads = max(1, num_cpus // world_size)
             # vLLM makes torch.set_num_threads a no-op once it binds threads: set them first.
             torch.set_num_threads(threads)
@@ -59,9 +113,7 @@ class Role:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         from update.distributed import device_name
 
-        self.device = device_name()
-        self.sync_group = None
-        self.spans = Spans()  # for the run's timeline.json
+        self.process = Process(rank, world_size, device_name(), cpu_cores)
 
     def rng_state(self) -> dict:
         """This process's random states, for a checkpoint (rl.run.checkpoint saves them)."""
@@ -75,11 +127,12 @@ class Role:
         set_rng_state(state)
 
     def free_models(self) -> None:
-        """Drop this role's models (the placement is kept for a later run, rl.run.placement's
-        PlacementPool); the next init_trainer / init_rollout builds new ones."""
+        """Drop this actor's models (the placement is kept for a later run, rl.run.placement's
+        PlacementPool); the next init_trainer / init_rollout builds new ones. An actor whose
+        parts hold models frees theirs first."""
         import gc
 
-        self.spans = Spans()  # recording, as in a new actor
+        self.process.spans = Spans()  # recording, as in a new actor
         gc.collect()
         release_free_memory()
 
@@ -112,10 +165,12 @@ class Role:
         from weight_sync.collective import CollectiveGroup
 
         # gloo binds to the address Ray reaches this node by: host names need not resolve
-        self.sync_group = CollectiveGroup(host, port, rank, world_size, self.device, timeout_s,
-                                          bind_address=ray.util.get_node_ip_address())
+        self.process.sync_group = CollectiveGroup(
+            host, port, rank, world_size, self.device, timeout_s,
+            bind_address=ray.util.get_node_ip_address())
 
     def call(self, fn, *args, **kwargs):
-        """fn(self, *args, **kwargs) in this actor: what a benchmark measures through an actor's
-        state (benchmarks/probes.py) without a method of its own in the production actors."""
+        """fn(self, *args, **kwargs) in this actor (its parts: `trainer_role`, `rollout_role`):
+        what a benchmark measures through an actor's state (benchmarks/probes.py) without a
+        method of its own in the production actors."""
         return fn(self, *args, **kwargs)

@@ -1,16 +1,18 @@
-"""A rollout engine as a Ray actor: one vLLM engine, the policy version its weights are, blocking
-or streaming generation, and the receiving side of a disaggregated weight sync."""
+"""A rollout engine: one vLLM engine, the policy version its weights are, blocking or streaming
+generation, and the receiving side of a disaggregated weight sync (`RolloutRole`), and the Ray
+actor that is an engine alone (`RolloutWorker`)."""
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from rl.observe.timeline import traced
-from rl.run.role import Role
+from rl.run.role import OnProcess, Process, Role, forward
 from rollout.config import RolloutConfig
 
 
-class RolloutRole(Role):
-    """One vLLM engine and the policy version its weights are."""
+class RolloutRole(OnProcess):
+    """One vLLM engine and the policy version its weights are; a part of a worker actor
+    (rl.run.role)."""
 
     engine = None
     policy_version: int | None = None  # None: not loaded, or a failed sync left it stale
@@ -23,6 +25,9 @@ class RolloutRole(Role):
     env = None  # envs.config.EnvConfig of a multi-turn run
     turns = None  # rl.run.turns' EnvTurns or AgentTurns: multi-turn, every generation
     agent_server = None  # envs.agent_server.AgentServer: agent programs' endpoint (kept)
+
+    def __init__(self, process: Process):
+        self.process = process
 
     @traced("init engine")
     def init_rollout(self, model_path: str, cfg: RolloutConfig, seed: int,
@@ -52,7 +57,7 @@ class RolloutRole(Role):
                                  core_binding=self.tp_cores(cfg.tensor_parallel_size),
                                  lora_rank=lora_rank)
         self.policy_version, self.packed = version, None
-        self._place_weights_directly()
+        self.place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
 
     def serve_agents(self):
@@ -84,9 +89,8 @@ class RolloutRole(Role):
 
     def free_models(self) -> None:
         self.close_engine()
-        super().free_models()
 
-    def _place_weights_directly(self) -> None:
+    def place_weights_directly(self) -> None:
         """Syncs copy each tensor into the engine's parameter when the engine keeps its weights
         as loaded and the model's names are known (`weight_sync.direct`); else vLLM reloads."""
         import logging
@@ -136,7 +140,7 @@ class RolloutRole(Role):
         layout = EngineLayout.of(params)
         flat, views = layout.pack(params)
         self.engine.rebind_parameters(views)
-        self._place_weights_directly()  # the placer must write to the packed copy
+        self.place_weights_directly()  # the placer must write to the packed copy
         self.packed = (layout.digest(), flat)
         self.layout = layout
         return layout.encode()
@@ -337,5 +341,14 @@ class RolloutRole(Role):
         return self.engine.prompt_logprobs(token_ids)
 
 
-class RolloutWorker(RolloutRole):
-    """Disaggregated: a rollout engine alone."""
+@forward(RolloutRole, "rollout_role")
+class RolloutWorker(Role):
+    """Disaggregated (or rl-eval): a rollout engine alone."""
+
+    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
+        super().__init__(rank, world_size, cores)
+        self.rollout_role = RolloutRole(self.process)
+
+    def free_models(self) -> None:
+        self.rollout_role.free_models()
+        super().free_models()

@@ -1,17 +1,21 @@
-"""A trainer rank as a Ray actor: the DeepSpeed policy trainer (and PPO's critic), its updates,
-checkpoints and the sending side of a disaggregated weight sync."""
+"""A trainer rank: the DeepSpeed policy trainer (and PPO's critic), its updates, checkpoints and
+the sending side of a disaggregated weight sync (`TrainerRole`), and the Ray actor that is a
+trainer rank alone (`TrainerWorker`)."""
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import Role
+from rl.run.role import OnProcess, Process, Role, forward
 from update.config import LossConfig, TrainerConfig
 
 
-class TrainerRole(Role):
-    """One DeepSpeed rank: the policy trainer (and the critic's, for PPO)."""
+class TrainerRole(OnProcess):
+    """One DeepSpeed rank: the policy trainer (and the critic's, for PPO); a part of a worker
+    actor (rl.run.role)."""
 
-    trainer = critic = None
-    sender = None  # disaggregated: weight_sync.broadcast.BroadcastSender, kept with the trainer
+    def __init__(self, process: Process):
+        self.process = process
+        self.trainer = self.critic = None
+        self.sender = None  # disaggregated: weight_sync.broadcast.BroadcastSender
 
     def broadcast_sender(self):
         """This rank's side of a disaggregated sync (made on first use: its shared-memory slots
@@ -50,7 +54,6 @@ class TrainerRole(Role):
     def free_models(self) -> None:
         # the sync's shared-memory slots are decided again for the next trainer
         self.trainer = self.critic = self.sender = None
-        super().free_models()
 
     @traced("prepare")
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
@@ -131,5 +134,14 @@ class TrainerRole(Role):
         self.trainer.save_hf(directory)
 
 
-class TrainerWorker(TrainerRole):
+@forward(TrainerRole, "trainer_role")
+class TrainerWorker(Role):
     """Disaggregated: a trainer rank alone."""
+
+    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
+        super().__init__(rank, world_size, cores)
+        self.trainer_role = TrainerRole(self.process)
+
+    def free_models(self) -> None:
+        self.trainer_role.free_models()
+        super().free_models()

@@ -95,7 +95,7 @@ def test_a_corrupted_bucket_is_detected_and_the_engine_refuses_to_generate(pools
 def _nudge(self, name: str) -> None:
     """(On an engine) one step of the last representable value of one element: what a missed
     write of a small update leaves."""
-    flat = self.engine.parameters()[name].view(-1)
+    flat = self.rollout_role.engine.parameters()[name].view(-1)
     flat[-1:] = torch.nextafter(flat[-1:], flat[-1:] + 1)
 
 

@@ -169,8 +169,8 @@ def test_lora_syncs_pass_the_probe_and_a_skipped_one_is_caught(ray_session, plac
             stats = placement.sync(version, probe)
             assert stats["sync/logprob_max_abs_diff"] <= tolerance
             loaded = ray.get([w.__ray_call__.remote(
-                lambda self: sorted(self.engine.llm.llm_engine.list_loras())
-                if self.engine.lora_rank else []) for w in workers])
+                lambda self: sorted(self.rollout_role.engine.llm.llm_engine.list_loras())
+                if self.rollout_role.engine.lora_rank else []) for w in workers])
             if mode == "adapters":
                 assert stats["sync/bytes"] < 0.05 * full_bytes, (stats["sync/bytes"], full_bytes)
                 assert loaded == [[version + 1]] * 2  # the new adapter only

@@ -149,8 +149,8 @@ def _sync_misses_rank_1(self) -> None:
     the rank's weights (a fault)."""
     import torch
 
-    digest, memory = self.packed
-    self.packed = (digest, [memory[0], torch.empty_like(memory[1])])
+    digest, memory = self.rollout_role.packed
+    self.rollout_role.packed = (digest, [memory[0], torch.empty_like(memory[1])])
 
 
 def _misplaces_a_tensor(self) -> None:
@@ -172,19 +172,21 @@ def _misplaces_a_tensor(self) -> None:
 def _engine_cores(self) -> list:
     """In colocated worker 0: the binding its TP engine was given, each rank's CPU affinity, and
     how long each rank spins once the engine's calls stop (rollout.tp_worker)."""
-    affinity = self.engine.llm.collective_rpc(
+    engine = self.rollout_role.engine
+    affinity = engine.llm.collective_rpc(
         lambda worker: sorted(__import__("os").sched_getaffinity(0)))
-    spin = self.engine.llm.collective_rpc(lambda worker: __import__(
+    spin = engine.llm.collective_rpc(lambda worker: __import__(
         "vllm.distributed.device_communicators.shm_broadcast", fromlist=["SpinCondition"]
     ).SpinCondition.__dict__.get("rl_idle_spin"))
-    return [self.engine.core_binding, affinity, spin]
+    return [engine.core_binding, affinity, spin]
 
 
 def _model_bytes(self) -> int:
     """In a trainer: the bytes of its whole model (all ranks' shards together)."""
     from weight_sync.buckets import full_numel
 
-    return sum(full_numel(p) * p.element_size() for p in self.trainer.module.parameters())
+    module = self.trainer_role.trainer.module
+    return sum(full_numel(p) * p.element_size() for p in module.parameters())
 
 
 def _steps_then_fault(cfg, fault, target: str) -> dict:

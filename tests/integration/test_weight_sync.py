@@ -134,7 +134,8 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, placements, tmp_path_
                    f"trainer.dtype={dtype}", "sync.bucket_mb=0.05",
                    f"rollout.cpu_linear={linear}", f"rollout.enforce_eager={eager}") as (
             workers, cfg, _, _):
-        assert ray.get(workers[0].__ray_call__.remote(lambda w: w.engine.eager)) == eager
+        assert ray.get(workers[0].__ray_call__.remote(
+            lambda w: w.rollout_role.engine.eager)) == eager
         probe = list(range(3, 60))
         update_once(ray, workers)
         before = min(max_diffs(ray, workers, probe))
@@ -147,24 +148,24 @@ def test_sync_from_other_zero_stages_and_bf16(ray_session, placements, tmp_path_
 def _snapshot(self, key: str) -> None:
     """(On a worker) keep a copy of the engine's weights under `key`."""
     self.__dict__.setdefault("_snapshots", {})[key] = {
-        n: p.clone() for n, p in self.engine.parameters().items()}
+        n: p.clone() for n, p in self.rollout_role.engine.parameters().items()}
 
 
 def _restore(self, key: str, prefixes: tuple[str, ...]) -> None:
     """(On a worker) put back the kept copy of the parameters whose names start so."""
-    for name, p in self.engine.parameters().items():
+    for name, p in self.rollout_role.engine.parameters().items():
         if name.startswith(prefixes):
             p.copy_(self._snapshots[key][name])
-    self.engine.weights_changed()
+    self.rollout_role.engine.weights_changed()
 
 
 def _corrupt(self, name: str) -> None:
     """(On a worker) garbage in a quarter of one parameter: what a corrupted bucket leaves."""
-    p = self.engine.parameters()[name]
+    p = self.rollout_role.engine.parameters()[name]
     flat = p.view(-1)
     flat[: flat.numel() // 4] = torch.randn(flat.numel() // 4, generator=torch.Generator()
                                             .manual_seed(0)).to(p.dtype)
-    self.engine.weights_changed()
+    self.rollout_role.engine.weights_changed()
 
 
 @pytest.mark.parametrize("trainer_dtype", ["bfloat16", "float32"])
@@ -211,8 +212,9 @@ def test_the_bf16_probe_tolerance_still_catches_a_stale_head_a_stale_layer_and_a
 def _differing(self, key: str, prefixes: tuple[str, ...]) -> int:
     """(On a worker) elements of the parameters whose names start so that differ from the kept
     copy."""
+    params = self.rollout_role.engine.parameters()
     return sum(int((p != self._snapshots[key][n]).sum())
-               for n, p in self.engine.parameters().items() if n.startswith(prefixes))
+               for n, p in params.items() if n.startswith(prefixes))
 
 
 def test_the_exact_check_catches_a_stale_bf16_layer_after_one_step_at_the_recipes_lr(

@@ -1,0 +1,79 @@
+"""A worker actor holds its roles as parts and forwards their methods (Ray makes an actor's
+remote methods from its class): what is forwarded, what is the actor's own, and two parts
+offering one name."""
+import inspect
+
+import pytest
+
+from rl.observe.timeline import Spans, traced
+from rl.run.role import OnProcess, Process, forward
+
+
+class Trainer(OnProcess):
+    def __init__(self, process: Process):
+        self.process = process
+
+    @traced("update")
+    def train(self, batch: list, scale: float = 1.0) -> float:
+        """One step."""
+        return sum(batch) * scale + self.rank
+
+    def free_models(self) -> str:
+        return "trainer freed"
+
+    def _private(self) -> None:
+        raise AssertionError("not forwarded")
+
+
+class Engine(OnProcess):
+    def __init__(self, process: Process):
+        self.process = process
+
+    def generate(self, prompt: str) -> str:
+        return prompt + "!"
+
+    def free_models(self) -> str:
+        return "engine freed"
+
+
+class Base:
+    def hostname(self) -> str:
+        return "the actor's own"
+
+
+@forward(Trainer, "trainer_role")
+@forward(Engine, "engine_role")
+class Worker(Base):
+    def __init__(self):
+        self.process = Process(rank=3, world_size=4, device="cpu")
+        self.trainer_role, self.engine_role = Trainer(self.process), Engine(self.process)
+
+    def free_models(self) -> list:
+        return [self.trainer_role.free_models(), self.engine_role.free_models()]
+
+
+def test_each_parts_public_methods_become_the_actors_with_their_signature_and_trace():
+    w = Worker()
+    assert w.train([1, 2], scale=2.0) == 9.0  # rank 3, read from the shared process
+    assert w.generate("hi") == "hi!"
+    assert inspect.signature(Worker.train) == inspect.signature(Trainer.train)  # what Ray checks
+    assert Worker.train.__doc__ == "One step."
+    assert [name for name, *_ in w.process.spans.drain()] == ["update"]
+    assert not hasattr(Worker, "_private")
+    assert w.free_models() == ["trainer freed", "engine freed"]  # defined by the actor: kept
+    assert w.hostname() == "the actor's own"  # a base's method is not replaced
+
+
+def test_the_parts_see_the_processs_facts_as_they_change():
+    w = Worker()
+    w.process.spans = Spans()  # an actor's free_models starts a new track
+    w.train([0])
+    assert w.trainer_role.spans is w.process.spans and len(w.process.spans.drain()) == 1
+
+
+def test_a_name_two_parts_offer_must_be_the_actors_own():
+    with pytest.raises(TypeError, match="free_models is offered by its parts"):
+        @forward(Trainer, "trainer_role")
+        @forward(Engine, "engine_role")
+        class Ambiguous:
+            pass
