@@ -18,8 +18,8 @@ the `openai.AsyncOpenAI` each gets calls the app in process (httpx's ASGI transp
 no HTTP parsing; a call costs less than half the CPU it costs over TCP). A plain `def` runs in a
 thread of its own with an `openai.OpenAI` over TCP, as does any client a program makes from
 `client.base_url`. Each session has its own connection (one pool shared by hundreds of sessions
-scans all its connections on every request: 5 ms a call at 128 sessions), and the clients never
-retry (a retried call would be sampled twice).
+scans all its connections on every request), and the clients never retry (a retried call would
+be sampled twice).
 """
 from __future__ import annotations
 

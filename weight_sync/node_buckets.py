@@ -5,8 +5,8 @@ full parameter (padded at the end). Here every rank writes its own part of each 
 bucket straight to that parameter's place in a shared-memory slot laid out like the wire bucket
 (`weight_sync.layout`); after a barrier, every rank on the machine sees the whole bucket. Each
 byte is written once, by its owner, all ranks at the same time: no collective carries weights
-and nothing is reassembled. (DeepSpeed's all-gather gives every rank a private full copy, and
-cost about 4.5x a memcpy of the bytes on this 2-core machine.)
+and nothing is reassembled. (DeepSpeed's all-gather gives every rank a private full copy, at
+several times the cost of a memcpy of the bytes.)
 
 Buckets are written in rounds, one barrier each: a round is one bucket, or at TP > 1 one
 bucket of each TP rank (`weight_sync.in_place.plan_in_place`). Three rounds of slots rotate:

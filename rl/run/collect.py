@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 from rl.algo.batch import Sample, chunk
 
 
+def generate_spread(engines: list, prompts, rows: list[int], seeds: list[int],
+                    **kwargs) -> list[tuple[list[int], dict]]:
+    """Generate for prompt `rows` of `prompts` (an rl.data.prompts.PromptSet; one seed each),
+    spread in order over the engines in contiguous parts (the last engines sit out when there
+    are fewer prompts), kwargs passed to each engine's `generate`; returns (the positions in
+    `rows` each engine took, its result) in order."""
+    import ray
+
+    parts = [p for p in chunk(list(range(len(rows))), len(engines)) if p]
+    futures = [e.generate.remote(**prompts.request([rows[i] for i in part],
+                                                   [seeds[i] for i in part]), **kwargs)
+               for e, part in zip(engines, parts)]
+    return list(zip(parts, ray.get(futures)))
+
+
 def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float) -> float:
     """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty."""
     start = max_len - buffer

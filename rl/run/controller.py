@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from rl.algo.advantages import AdvantageInputs, compute_advantages
-from rl.algo.batch import (Sample, chunk, collate, padded, plan_update, reduce_rank_metrics,
+from rl.algo.batch import (Sample, collate, padded, plan_update, reduce_rank_metrics,
                            response_mask, response_slice, split_ranks)
 from rl.errors import get_all
 from rl.observe.timeline import Spans, traced
-from rl.run.collect import collect, mask_untrained, overlong_penalty
+from rl.run.collect import collect, generate_spread, mask_untrained, overlong_penalty
 from rl.run.lifecycle import RunLifecycle
 from rl.run.step_metrics import (env_metrics, rollout_records, sample_metrics,
                                  staleness_metrics, time_metrics)
@@ -88,23 +88,17 @@ class Controller:
                  ) -> tuple[list[Sample], dict]:
         """(n samples per prompt row, spread over the engines, gathered in order; the engines'
         counters, averaged); each engine first checks it holds the current policy version."""
-        import ray
-
         n = self.cfg.rollout.n
         base = ((self.cfg.run.seed * 1_000_003 + step) * 64 + round_index) * 100_000
-        # empty chunks come last: with more engines than prompts the last engines sit out
-        parts = [p for p in chunk(list(enumerate(rows)), len(self.engines)) if p]
-        futures = [e.generate.remote(**self.prompts.request([r for _, r in part],
-                                                            [base + g * n for g, _ in part]),
-                                     version=self.policy_version)
-                   for e, part in zip(self.engines, parts)]
+        spread = generate_spread(self.engines, self.prompts, rows,
+                                 [base + g * n for g in range(len(rows))],
+                                 version=self.policy_version)
         samples = []
-        results = ray.get(futures)
-        stats = {k: sum(r["stats"][k] for r in results) / len(results)
-                 for k in results[0]["stats"]}
-        for part, result in zip(parts, results):
-            for (g, r), completions in zip(part, result["groups"]):
-                samples += [Sample.of(r, g, self.prompts.prompt_ids[r], c,
+        stats = {k: sum(r["stats"][k] for _, r in spread) / len(spread)
+                 for k in spread[0][1]["stats"]}
+        for part, result in spread:
+            for g, completions in zip(part, result["groups"]):
+                samples += [Sample.of(rows[g], g, self.prompts.prompt_ids[rows[g]], c,
                                       result["policy_version"]) for c in completions]
         return samples, stats
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from rl.algo.batch import chunk
+from rl.run.collect import generate_spread
 from rl.run.step_metrics import conversation
 
 EVAL_SEED = 1_000_000_007  # apart from the rollout's seeds, which grow from run.seed and step
@@ -34,16 +34,12 @@ class Evaluator:
 
     def _generate(self, engines: list, version: int | None, greedy: bool) -> list[list[dict]]:
         """Completions per held-out prompt, in order, the prompts spread over the engines."""
-        import ray
-
         n = 1 if greedy else self.k
         indices = list(range(len(self.prompts.prompt_ids)))
-        parts = [p for p in chunk(indices, len(engines)) if p]
-        futures = [e.generate.remote(**self.prompts.request(part, [EVAL_SEED + i * n
-                                                                   for i in part]),
-                                     n=n, version=version, greedy=greedy)
-                   for e, part in zip(engines, parts)]
-        return [group for result in ray.get(futures) for group in result["groups"]]
+        spread = generate_spread(engines, self.prompts, indices,
+                                 [EVAL_SEED + i * n for i in indices], n=n, version=version,
+                                 greedy=greedy)
+        return [group for _, result in spread for group in result["groups"]]
 
     def _score(self, groups: list[list[dict]]) -> list[list[float]]:
         rows = [self.prompts.rows[i] for i, g in enumerate(groups) for _ in g]
