@@ -3,13 +3,13 @@ same cores or device, synced in process (weight_sync.colocated: shared memory, o
 buckets) and checked on a probe.
 
 The actor holds its two roles as parts (`trainer_role`, `rollout_role`) and forwards their
-methods (rl.run.role.forward); its own methods are the ones that need both: the engine's
+methods (rl.run.role.holds); its own methods are the ones that need both: the engine's
 start beside its TP peers, the sync and the probe.
 """
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import Role, cpu_binding, forward
+from rl.run.role import Role, cpu_binding, holds
 from rl.run.rollout_worker import RolloutRole
 from rl.run.trainer_worker import TrainerRole
 
@@ -40,8 +40,7 @@ class ColocatedEngine(RolloutRole):
         self.policy_version, self.direct_load = version, True
 
 
-@forward(TrainerRole, "trainer_role")
-@forward(ColocatedEngine, "rollout_role")
+@holds(trainer_role=TrainerRole, rollout_role=ColocatedEngine)
 class ColocatedWorker(Role):
     """One trainer rank and one rollout engine in one process, taking turns.
 
@@ -54,11 +53,6 @@ class ColocatedWorker(Role):
 
     colocated_sync = None  # weight_sync.colocated.ColocatedSync, made with each engine
     tp_size, tp_rank = 1, 0  # the engine's TP size; this worker's TP rank (0: holds the engine)
-
-    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
-        super().__init__(rank, world_size, cores)
-        self.trainer_role = TrainerRole(self.process)
-        self.rollout_role = ColocatedEngine(self.process)
 
     def init_rollout(self, model_path: str, cfg, seed: int, version: int = 0,
                      env=None, lora_rank: int = 0) -> str | None:
@@ -76,8 +70,6 @@ class ColocatedWorker(Role):
 
     def free_models(self) -> None:
         self.colocated_sync = None
-        self.trainer_role.free_models()
-        self.rollout_role.free_models()
         super().free_models()
 
     @traced("sync")

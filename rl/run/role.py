@@ -4,7 +4,7 @@ states, the timeline's spans, the weight-sync group's rendezvous.
 The actors are a trainer rank (rl.run.trainer_worker), a rollout engine (rl.run.rollout_worker),
 or one of each taking turns in one process (rl.run.colocated_worker). Each actor holds its
 roles (`TrainerRole`, `RolloutRole`) as parts, which read the process's facts (`Process`) and
-never their actor; Ray makes an actor's remote methods from its class, so `forward` gives the
+never their actor; Ray makes an actor's remote methods from its class, so `holds` gives the
 actor class a method for each of its parts'.
 """
 from __future__ import annotations
@@ -61,20 +61,23 @@ class OnProcess:
     sync_group = property(lambda self: self.process.sync_group)
 
 
-def forward(part_cls: type, attr: str):
-    """Class decorator for a worker actor holding a part of part_cls as `attr`: every public
-    method of part_cls that the actor class does not have becomes the actor's, calling its
-    part's. A name two parts both offer must be defined by the actor."""
+def holds(**parts: type):
+    """Class decorator for a worker actor that holds parts (attribute name -> part class, each
+    made with the actor's Process): every public method of a part that the actor class does
+    not have becomes the actor's, calling its part's. A name two parts both offer must be
+    defined by the actor."""
     def decorate(cls):
-        for name, fn in inspect.getmembers(part_cls, inspect.isfunction):
-            current = getattr(cls, name, None)
-            to = getattr(current, "forwards_to", None)
-            if name.startswith("_") or current is not None and to is None:
-                continue  # private, or the actor's own
-            if to not in (None, attr):
-                raise TypeError(f"{cls.__name__}.{name} is offered by its parts {to} and "
-                                f"{attr}: define it on {cls.__name__}")
-            setattr(cls, name, _forwarder(attr, name, fn))
+        cls.parts = {**getattr(cls, "parts", {}), **parts}
+        for attr, part_cls in parts.items():
+            for name, fn in inspect.getmembers(part_cls, inspect.isfunction):
+                current = getattr(cls, name, None)
+                to = getattr(current, "forwards_to", None)
+                if name.startswith("_") or current is not None and to is None:
+                    continue  # private, or the actor's own
+                if to not in (None, attr):
+                    raise TypeError(f"{cls.__name__}.{name} is offered by its parts {to} and "
+                                    f"{attr}: define it on {cls.__name__}")
+                setattr(cls, name, _forwarder(attr, name, fn))
         return cls
     return decorate
 
@@ -89,7 +92,10 @@ def _forwarder(attr: str, name: str, fn):
 
 
 class Role(OnProcess):
-    """A worker actor's process set-up: threads and core pinning on CPU, the device name."""
+    """A worker actor's process set-up: threads and core pinning on CPU, the device name; the
+    parts it holds (`holds`)."""
+
+    parts: dict[str, type] = {}
 
     def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
         """cores: (first, count) of the machine's cores this role's ranks share (a
@@ -114,6 +120,8 @@ class Role(OnProcess):
         from update.distributed import device_name
 
         self.process = Process(rank, world_size, device_name(), cpu_cores)
+        for attr, part_cls in self.parts.items():
+            setattr(self, attr, part_cls(self.process))
 
     def rng_state(self) -> dict:
         """This process's random states, for a checkpoint (rl.run.checkpoint saves them)."""
@@ -132,6 +140,8 @@ class Role(OnProcess):
         parts hold models frees theirs first."""
         import gc
 
+        for attr in self.parts:
+            getattr(self, attr).free_models()
         self.process.spans = Spans()  # recording, as in a new actor
         gc.collect()
         release_free_memory()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rl.observe.timeline import traced
-from rl.run.role import OnProcess, Process, Role, forward
+from rl.run.role import OnProcess, Process, Role, holds
 from rollout.config import RolloutConfig
 
 
@@ -341,14 +341,6 @@ class RolloutRole(OnProcess):
         return self.engine.prompt_logprobs(token_ids)
 
 
-@forward(RolloutRole, "rollout_role")
+@holds(rollout_role=RolloutRole)
 class RolloutWorker(Role):
     """Disaggregated (or rl-eval): a rollout engine alone."""
-
-    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
-        super().__init__(rank, world_size, cores)
-        self.rollout_role = RolloutRole(self.process)
-
-    def free_models(self) -> None:
-        self.rollout_role.free_models()
-        super().free_models()

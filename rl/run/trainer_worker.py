@@ -4,7 +4,7 @@ trainer rank alone (`TrainerWorker`)."""
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import OnProcess, Process, Role, forward
+from rl.run.role import OnProcess, Process, Role, holds
 from update.config import LossConfig, TrainerConfig
 
 
@@ -134,14 +134,6 @@ class TrainerRole(OnProcess):
         self.trainer.save_hf(directory)
 
 
-@forward(TrainerRole, "trainer_role")
+@holds(trainer_role=TrainerRole)
 class TrainerWorker(Role):
     """Disaggregated: a trainer rank alone."""
-
-    def __init__(self, rank: int, world_size: int, cores: tuple[int, int] | None = None):
-        super().__init__(rank, world_size, cores)
-        self.trainer_role = TrainerRole(self.process)
-
-    def free_models(self) -> None:
-        self.trainer_role.free_models()
-        super().free_models()

@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 from rl.observe.timeline import Spans, traced
-from rl.run.role import OnProcess, Process, forward
+from rl.run.role import OnProcess, Process, holds
 
 
 class Trainer(OnProcess):
@@ -41,8 +41,7 @@ class Base:
         return "the actor's own"
 
 
-@forward(Trainer, "trainer_role")
-@forward(Engine, "engine_role")
+@holds(trainer_role=Trainer, engine_role=Engine)
 class Worker(Base):
     def __init__(self):
         self.process = Process(rank=3, world_size=4, device="cpu")
@@ -62,6 +61,7 @@ def test_each_parts_public_methods_become_the_actors_with_their_signature_and_tr
     assert not hasattr(Worker, "_private")
     assert w.free_models() == ["trainer freed", "engine freed"]  # defined by the actor: kept
     assert w.hostname() == "the actor's own"  # a base's method is not replaced
+    assert Worker.parts == {"trainer_role": Trainer, "engine_role": Engine}  # made by a Role
 
 
 def test_the_parts_see_the_processs_facts_as_they_change():
@@ -73,7 +73,6 @@ def test_the_parts_see_the_processs_facts_as_they_change():
 
 def test_a_name_two_parts_offer_must_be_the_actors_own():
     with pytest.raises(TypeError, match="free_models is offered by its parts"):
-        @forward(Trainer, "trainer_role")
-        @forward(Engine, "engine_role")
+        @holds(trainer_role=Trainer, engine_role=Engine)
         class Ambiguous:
             pass
