@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rl.observe.timeline import traced
-from rl.run.role import OnProcess, Process, Role, holds
+from rl.run.role import OnProcess, Process, Role, holds, lasting
 from rollout.config import RolloutConfig
 
 
@@ -36,10 +36,6 @@ class RolloutRole(OnProcess):
         model: "compiled" or "eager" (rollout.enforce_eager). env: an envs.config.EnvConfig
         whose name makes every trajectory multi-turn (rl.run.turns). lora_rank > 0: the
         policy is the model with a LoRA adapter, which each sync replaces (`load_adapter`)."""
-        import gc
-
-        from rollout.vllm_engine import VLLMEngine
-
         self.env, self.turns = env, None
         if env is not None and env.name is not None:
             from transformers import AutoTokenizer
@@ -50,14 +46,16 @@ class RolloutRole(OnProcess):
                                       self.spans, self.serve_agents)
 
         # an engine in this process tears down vLLM's process-wide parallel state when it goes:
-        # let the old one go before the new one sets that state up
+        # let the old one go (`lasting` collects it) before the new one sets that state up
         self.close_engine()
-        gc.collect()
-        self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device,
-                                 core_binding=self.tp_cores(cfg.tensor_parallel_size),
-                                 lora_rank=lora_rank)
-        self.policy_version, self.packed = version, None
-        self.place_weights_directly()
+        with lasting():
+            from rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(model_path, cfg, seed=seed + self.rank, device=self.device,
+                                     core_binding=self.tp_cores(cfg.tensor_parallel_size),
+                                     lora_rank=lora_rank)
+            self.policy_version, self.packed = version, None
+            self.place_weights_directly()
         return "eager" if self.engine.eager else "compiled"
 
     def serve_agents(self):

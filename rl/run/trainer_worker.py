@@ -4,7 +4,7 @@ trainer rank alone (`TrainerWorker`)."""
 from __future__ import annotations
 
 from rl.observe.timeline import traced
-from rl.run.role import OnProcess, Process, Role, holds
+from rl.run.role import OnProcess, Process, Role, holds, lasting
 from update.config import LossConfig, TrainerConfig
 
 
@@ -41,15 +41,17 @@ class TrainerRole(OnProcess):
                      critic: bool = False, seed: int = 0) -> None:
         """The policy trainer (and the critic's, for PPO); replaces any earlier ones. `seed`:
         what the LoRA adapters are drawn from (PolicyTrainer)."""
-        from update.trainer import PolicyTrainer
-
+        replaces = self.trainer is not None or self.critic is not None
         self.trainer = self.critic = None  # release the previous engines first (warm-up -> RL)
-        self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature,
-                                     norm_length, seed)
-        if critic:
-            from update.critic import ValueTrainer
+        with lasting(replaces):
+            from update.trainer import PolicyTrainer
 
-            self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
+            self.trainer = PolicyTrainer(model_path, cfg, loss_cfg, grad_accum, temperature,
+                                         norm_length, seed)
+            if critic:
+                from update.critic import ValueTrainer
+
+                self.critic = ValueTrainer(model_path, cfg, loss_cfg, grad_accum)
 
     def free_models(self) -> None:
         # the sync's shared-memory slots are decided again for the next trainer

@@ -1,12 +1,15 @@
 """A worker actor holds its roles as parts and forwards their methods (Ray makes an actor's
 remote methods from its class): what is forwarded, what is the actor's own, and two parts
-offering one name."""
+offering one name. What a role builds to last is kept out of the collector's passes, and
+collected once let go."""
+import gc
 import inspect
+import weakref
 
 import pytest
 
 from rl.observe.timeline import Spans, traced
-from rl.run.role import OnProcess, Process, holds
+from rl.run.role import OnProcess, Process, holds, lasting
 
 
 class Trainer(OnProcess):
@@ -76,3 +79,33 @@ def test_a_name_two_parts_offer_must_be_the_actors_own():
         @holds(trainer_role=Trainer, engine_role=Engine)
         class Ambiguous:
             pass
+
+
+class Node:
+    """A reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_what_is_built_to_last_is_frozen_its_garbage_collected_and_a_replaced_build_freed():
+    gc.unfreeze()
+    try:
+        with lasting():
+            assert not gc.isenabled()  # no pass during the build
+            kept, dropped = Node(), Node()
+            dropped = weakref.ref(dropped)  # garbage the build leaves
+        assert gc.isenabled() and dropped() is None
+        assert gc.is_tracked(kept) and gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        gc.collect()
+        assert gc.get_freeze_count() == frozen  # kept out of the passes
+        kept = weakref.ref(kept)  # let go, but frozen: no pass frees it...
+        with lasting():
+            pass
+        assert kept() is not None
+        with lasting(replaces=True):  # ...until a build that replaces it thaws it first
+            assert kept() is None
+    finally:
+        gc.enable()
+        gc.unfreeze()
