@@ -25,6 +25,9 @@ class Hardware:
     train_utilization: float = 0.5
     decode_utilization: float = 0.6
     prefill_utilization: float = 0.5
+    # fraction of the link a weight sync reaches (a CPU's colocated sync passes over the bytes
+    # several times: the copy, the byte check, re-packing the linears); GPUs: not yet measured
+    sync_utilization: float = 1.0
     # fixed costs the bounds above miss: a decode step's scheduling and sampling; a decoder
     # layer's forward or backward in training (launches, ZeRO's hooks); a sync's own work
     # (barriers, the probe). On a GPU the launches overlap the kernels (a step takes the larger
@@ -32,6 +35,10 @@ class Hardware:
     decode_step_overhead: float = 0.003
     layer_pass_overhead: float = 0.0043
     sync_overhead: float = 0.05
+    # what a decode step's fixed cost adds per sequence in it (sampling, bookkeeping), and a
+    # layer pass's at ZeRO-3 (its gathers and reduce-scatters); GPUs: in the figures above
+    decode_sequence_overhead: float = 0.0
+    zero3_pass_overhead: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
 
     def flops(self, dtype: str) -> float:
@@ -152,9 +159,7 @@ def measure_cpu(seconds: float = 3.0) -> Hardware:
     return Hardware(
         "cpu", memory_bytes=meminfo("MemTotal"), bandwidth=bandwidth, bf16_flops=bf16 or fp32,
         fp32_flops=fp32, intra_link=src.nbytes / copy_s, inter_link=1.25e9, gpu=False,
-        train_utilization=CPU_UTILIZATION["train"], decode_utilization=CPU_UTILIZATION["decode"],
-        prefill_utilization=CPU_UTILIZATION["prefill"], decode_step_overhead=0.009,
-        layer_pass_overhead=0.003, sync_overhead=0.03,
+        **cpu_calibration(),
         sources={"memory": "/proc/meminfo MemTotal", "bandwidth": "a 64 MiB numpy copy",
                  "flops": "a 1024^3 float32 numpy matmul on every core; bf16: a 512 x 512 x "
                           "2048 torch matmul " + ("on every core" if bf16 else
@@ -162,6 +167,19 @@ def measure_cpu(seconds: float = 3.0) -> Hardware:
                  "links": "memcpy between processes; 10 Gb/s Ethernet between nodes (assumed)"})
 
 
-# Fractions of the measured peaks that rl-train's steps reach on a 2-core CPU, and (measure_cpu)
-# the fixed costs, from the quickstart's step on a 2-core AMD EPYC (docs/planning.md)
-CPU_UTILIZATION = {"train": 0.25, "decode": 0.3, "prefill": 0.3}
+# Fractions of the measured peaks that rl-train's steps reach on a CPU, and the fixed costs the
+# bounds miss: fitted by `benchmarks/plan_check.py --split` on three calibration runs (a tiny
+# model on 1 and on 2 workers at ZeRO-3, bench-100m) on a 2-core AMD EPYC (AVX-512, no AMX), and
+# checked on two others, the quickstart's and the smollm2 preset's (docs/planning.md)
+CPU_UTILIZATION = {"train": 0.56, "decode": 0.61, "prefill": 0.61, "sync": 0.12}
+CPU_OVERHEADS = {"decode_step_overhead": 0.0011, "decode_sequence_overhead": 0.000068,
+                 "layer_pass_overhead": 0.0044, "zero3_pass_overhead": 0.0028,
+                 "sync_overhead": 0.017}
+
+
+def cpu_calibration() -> dict:
+    """Hardware's utilization and fixed-cost fields for a CPU."""
+    return {"train_utilization": CPU_UTILIZATION["train"],
+            "decode_utilization": CPU_UTILIZATION["decode"],
+            "prefill_utilization": CPU_UTILIZATION["prefill"],
+            "sync_utilization": CPU_UTILIZATION["sync"], **CPU_OVERHEADS}

@@ -167,6 +167,8 @@ def make_plan(cfg: Config, shape: ModelShape, cluster: Cluster,
 def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
            acceptance: float | None) -> dict:
     a = cfg.algorithm
+    nodes = plan.cluster.nodes  # a CPU node's engine ranks, or trainer ranks, share its cores
+    engine_ranks = engines(cfg) * cfg.rollout.tensor_parallel_size
     s = StepShape(samples=cfg.rollout.prompts_per_step * cfg.rollout.n, group_size=cfg.rollout.n,
                   prompt_tokens=plan.prompt_tokens, response_tokens=cfg.rollout.max_new_tokens,
                   engines=engines(cfg), tp=cfg.rollout.tensor_parallel_size,
@@ -176,14 +178,18 @@ def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
                   scoring_passes=int(not a.one_pass()) + int(plan.trainer.get("reference", 0) > 0)
                   + int(a.critic), updates=a.ppo_epochs, recompute=cfg.trainer.checkpointing(),
                   critic=a.critic,
-                  adapter_params=adapter_params(cfg, shape) if adapter_rank(cfg) > 0 else 0)
+                  adapter_params=adapter_params(cfg, shape) if adapter_rank(cfg) > 0 else 0,
+                  zero_stage=cfg.trainer.zero_stage,
+                  engines_per_device=1 if hw.gpu else -(-engine_ranks // nodes),
+                  ranks_per_device=1 if hw.gpu else -(-cfg.ray.num_workers // nodes))
     r = rollout_seconds(shape, hw, s, plan.engine["max_sequences"], plan.engine["kv_per_token"])
     u = update_seconds(shape, hw, s, cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1)
     across = cfg.placement == "disaggregated" and plan.cluster.nodes > 1
-    sy = sync_seconds(shape, s, hw.inter_link if across else hw.intra_link, hw.sync_overhead)
+    sy = sync_seconds(shape, s, (hw.inter_link if across else hw.intra_link) * hw.sync_utilization,
+                      hw.sync_overhead)
     out = {"rollout": r, "update": u, "sync": sy,
            "utilization": {"train": hw.train_utilization, "decode": hw.decode_utilization,
-                           "prefill": hw.prefill_utilization},
+                           "prefill": hw.prefill_utilization, "sync": hw.sync_utilization},
            "step": {m: step_seconds(r["seconds"], u["seconds"], sy["seconds"], m)
                     for m in ("sync", "one_step", "fully_async")}}
     if acceptance is not None:

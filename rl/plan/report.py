@@ -58,7 +58,7 @@ def render(plan: Plan, fix: dict | None) -> str:
     lines += [f"  {k:<34} needs {gib(n)} of {gib(c)}" for k, (n, c) in plan.devices.items()]
     t = plan.time
     lines += ["time per step (utilizations: train {train:.2f}, decode {decode:.2f}, prefill "
-              "{prefill:.2f}):".format(**t["utilization"]),
+              "{prefill:.2f}, sync {sync:.2f}):".format(**t["utilization"]),
               f"  {'rollout':<22}{seconds(t['rollout']['seconds'])}  ({t['rollout']['waves']} "
               f"wave(s) of {t['rollout']['batch']}, decode {t['rollout']['bound']}-bound)",
               f"  {'update':<22}{seconds(t['update']['seconds'])}",

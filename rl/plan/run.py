@@ -7,7 +7,8 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-from rl.plan.hardware import PRESETS, Hardware, load_hardware, measure_cpu, meminfo
+from rl.plan.hardware import (PRESETS, Hardware, cpu_calibration, load_hardware, measure_cpu,
+                              meminfo)
 from rl.plan.plan import Cluster, Plan, make_plan, resolve_auto, smallest_fix, with_changes
 from rl.plan.report import model_shape
 from rl.schema import Config
@@ -84,7 +85,8 @@ def local_gpu() -> Hardware | None:
 
 def cached_cpu(cache_dir: Path) -> Hardware:
     """measure_cpu once per machine (its CPU model and cores), kept under cache_dir; the RAM
-    is read anew."""
+    is read anew, and the utilizations and fixed costs are this version's (a calibration
+    reaches a machine that measured before it)."""
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                   if line.startswith("model name")), "cpu")
     # v2: bf16 measured (before it, bf16 was taken as float32)
@@ -98,7 +100,7 @@ def cached_cpu(cache_dir: Path) -> Hardware:
         tmp = file.with_name(f"{file.name}.{os.getpid()}")
         tmp.write_text(json.dumps(hw.to_dict()))
         tmp.replace(file)
-    return replace(hw, memory_bytes=meminfo("MemTotal"))
+    return replace(hw, memory_bytes=meminfo("MemTotal"), **cpu_calibration())
 
 
 def run_plan(cfg: Config, model_dir: str, prompt_tokens: int, cache_dir: Path) -> Plan:

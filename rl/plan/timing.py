@@ -28,6 +28,11 @@ class StepShape:
     recompute: bool
     critic: bool
     adapter_params: int = 0  # > 0: syncs move a LoRA adapter of this size, the base never
+    zero_stage: int = 0
+    # processes of a kind that share one device: a CPU node's engines, or its trainer ranks,
+    # share its cores and memory bandwidth (1 on GPUs: a device each)
+    engines_per_device: int = 1
+    ranks_per_device: int = 1
 
 
 def decode_step_seconds(shape: ModelShape, hw: Hardware, s: StepShape, batch: int,
@@ -37,8 +42,9 @@ def decode_step_seconds(shape: ModelShape, hw: Hardware, s: StepShape, batch: in
     from rl.plan.memory import DTYPE_BYTES
 
     read = shape.params() * DTYPE_BYTES[s.engine_dtype] / s.tp + batch * context * kv_per_token
-    memory_s = read / (hw.bandwidth * hw.decode_utilization)
-    compute_s = batch * shape.forward_flops(int(context)) / s.tp / (
+    share = s.engines_per_device
+    memory_s = read * share / (hw.bandwidth * hw.decode_utilization)
+    compute_s = batch * shape.forward_flops(int(context)) / s.tp * share / (
         hw.flops(s.engine_dtype) * hw.prefill_utilization)
     return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")
 
@@ -52,11 +58,12 @@ def rollout_seconds(shape: ModelShape, hw: Hardware, s: StepShape, max_sequences
     batch = max(1, min(max_sequences, per_engine))
     waves = -(-per_engine // batch)
     prefill_tokens = -(-per_engine // s.group_size) * s.prompt_tokens
-    prefill = prefill_tokens * shape.forward_flops(s.prompt_tokens // 2) / s.tp / (
-        hw.flops(s.engine_dtype) * hw.prefill_utilization)
+    prefill = prefill_tokens * shape.forward_flops(s.prompt_tokens // 2) / s.tp * (
+        s.engines_per_device) / (hw.flops(s.engine_dtype) * hw.prefill_utilization)
     step, bound = decode_step_seconds(shape, hw, s, batch,
                                       s.prompt_tokens + s.response_tokens / 2, kv_per_token)
-    step = (max(step, hw.decode_step_overhead) if hw.gpu else step + hw.decode_step_overhead)
+    fixed = hw.decode_step_overhead + batch * hw.decode_sequence_overhead
+    step = max(step, fixed) if hw.gpu else step + fixed
     decode = waves * s.response_tokens * step
     return {"prefill": prefill, "decode": decode, "seconds": prefill + decode,
             "decode_step": step, "bound": bound, "batch": batch, "waves": waves}
@@ -73,12 +80,13 @@ def update_seconds(shape: ModelShape, hw: Hardware, s: StepShape, share_prompts:
     flops = tokens * phi * (2 * s.scoring_passes + (8 if s.recompute else 6) * s.updates)
     if s.critic:
         flops += tokens * phi * 6 * s.updates
-    rate = hw.flops(s.trainer_dtype) * hw.train_utilization
+    rate = hw.flops(s.trainer_dtype) * hw.train_utilization / s.ranks_per_device
     # each layer runs once per scoring pass, twice per update (forward, backward; thrice with
     # recompute), per micro-batch
     passes = s.micro_batches * shape.layers * (
         s.scoring_passes + (3 if s.recompute else 2) * s.updates * (2 if s.critic else 1))
-    overhead = passes * hw.layer_pass_overhead
+    overhead = passes * (hw.layer_pass_overhead
+                         + (hw.zero3_pass_overhead if s.zero_stage == 3 else 0.0))
     compute = flops / rate
     seconds = max(compute, overhead) if hw.gpu else compute + overhead
     return {"tokens_per_rank": tokens, "flops_per_rank": flops, "compute_seconds": compute,

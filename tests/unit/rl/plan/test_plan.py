@@ -147,3 +147,40 @@ def test_the_cpu_measures_its_bf16_rate_and_falls_back_to_float32(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_matmul_rate", lambda seconds: None)
     hw = hardware.measure_cpu(0.3)
     assert hw.bf16_flops == hw.fp32_flops and "taken as fp32" in hw.sources["flops"]
+
+
+def test_a_cpu_nodes_ranks_and_engines_share_its_cores_where_gpus_have_one_each():
+    """The same work per trainer rank and per engine: two ranks on one CPU node compute at half
+    the node's rate each (so do two engines), one rank per GPU at the whole GPU's."""
+    def plan(workers, hw):
+        cfg = load_config(None, ["model.path=builtin:tiny-qwen2", f"ray.num_workers={workers}",
+                                 f"rollout.prompts_per_step={8 * workers}",
+                                 "trainer.zero_stage=0", "data.eval_fraction=0"])
+        return make_plan(cfg, ModelShape(hidden=256, intermediate=1024, layers=4, heads=4,
+                                         kv_heads=4, head_dim=64, vocab=1000, tied=True),
+                         Cluster(hw, 1, 1),
+                         prompt_tokens=24).time
+
+    cpu, gpu = ram(64), PRESETS["h100-80g"]
+    for hw, factor in ((cpu, 2), (gpu, 1)):
+        one, two = plan(1, hw), plan(2, hw)
+        assert two["update"]["compute_seconds"] == pytest.approx(
+            factor * one["update"]["compute_seconds"])
+        assert two["rollout"]["prefill"] == pytest.approx(factor * one["rollout"]["prefill"])
+
+
+def test_a_cached_cpu_measurement_takes_this_versions_calibration(tmp_path, monkeypatch):
+    """The cache keeps what was measured; utilizations and fixed costs come from the code, so
+    a recalibration reaches machines that measured before it."""
+    from dataclasses import replace
+
+    from rl.plan import hardware, run
+
+    stale = replace(ram(8), train_utilization=0.01, layer_pass_overhead=9.0)
+    monkeypatch.setattr(run, "measure_cpu", lambda: stale)
+    run.cached_cpu(tmp_path)  # measured and cached (stale figures)
+    monkeypatch.setattr(run, "measure_cpu", lambda: pytest.fail("measured again"))
+    hw = run.cached_cpu(tmp_path)
+    assert hw.bandwidth == stale.bandwidth  # measured once
+    assert hw.train_utilization == hardware.CPU_UTILIZATION["train"]
+    assert hw.layer_pass_overhead == hardware.CPU_OVERHEADS["layer_pass_overhead"]
