@@ -8,9 +8,10 @@ docs/planning.md.
     .venv/bin/python benchmarks/plan_check.py --split              # the step split
 
 The split: the CPU's utilizations and fixed costs (rl.plan.hardware.CPU_UTILIZATION,
-CPU_OVERHEADS) are fitted on two calibration runs (CALIBRATION: a tiny model, where fixed costs
-dominate, and bench-100m, where compute does), then checked on two others that the fit never
-saw (CHECKED: the quickstart's and benchmarks/vs_trl.py's smollm2 preset's work). Every run
+CPU_OVERHEADS) are fitted on three calibration runs (CALIBRATION: a tiny model on 1 worker and on
+2 at ZeRO-3, where fixed costs dominate, and bench-100m, where compute does), then checked on
+two others that the fit never saw (CHECKED: the quickstart's and benchmarks/vs_trl.py's smollm2
+preset's work). Every run
 generates exactly max_new_tokens per sample (rollout.min_new_tokens), the length the plan
 assumes, and starts from its base model (no warm-up: a step's time does not depend on the
 weights once the lengths are fixed).

@@ -184,7 +184,7 @@ def timing(cfg: Config, shape: ModelShape, hw: Hardware, plan: Plan,
                   ranks_per_device=1 if hw.gpu else -(-cfg.ray.num_workers // nodes))
     r = rollout_seconds(shape, hw, s, plan.engine["max_sequences"], plan.engine["kv_per_token"])
     u = update_seconds(shape, hw, s, cfg.trainer.enable_prompt_sharing and cfg.rollout.n > 1)
-    across = cfg.placement == "disaggregated" and plan.cluster.nodes > 1
+    across = cfg.placement == "disaggregated" and nodes > 1
     sy = sync_seconds(shape, s, (hw.inter_link if across else hw.intra_link) * hw.sync_utilization,
                       hw.sync_overhead)
     out = {"rollout": r, "update": u, "sync": sy,
