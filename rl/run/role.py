@@ -53,17 +53,22 @@ def lasting(replaces: bool = False):
     too, once collected; what the build left as garbage is collected once at the end. vLLM
     freezes the heap after building an engine as well, and thaws it when the engine shuts down
     (a later build collects that engine); Ray Serve's replicas freeze after their start-up."""
-    if replaces:
-        gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    settle(thaw=replaces)
     gc.disable()
     try:
         yield
     finally:
         gc.enable()
-        gc.collect()
-        gc.freeze()
+        settle()
+
+
+def settle(thaw: bool = False) -> None:
+    """Collect the garbage and freeze what is left out of the collector's later passes. `thaw`:
+    what was frozen before is collected too (its models just let go)."""
+    if thaw:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -171,9 +176,7 @@ class Role(OnProcess):
         for attr in self.parts:
             getattr(self, attr).free_models()
         self.process.spans = Spans()  # recording, as in a new actor
-        gc.unfreeze()  # what `lasting` froze: the models just let go among it
-        gc.collect()
-        gc.freeze()  # what is left lasts (the modules): the next build's passes skip it
+        settle(thaw=True)  # the models were frozen by `lasting`; what is left (the modules) lasts
         release_free_memory()
 
     def drain_spans(self, keep_recording: bool = True) -> list:
