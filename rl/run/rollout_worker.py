@@ -275,11 +275,12 @@ class RolloutRole(OnProcess):
 
         t0 = time.perf_counter()
         self.pause_for_sync()
+        paused = time.perf_counter() - t0
         self.receiver = self.receiver or BroadcastReceiver(self.sync_group)
         report = self.receiver.receive(self.engine, version, self.direct_load, self.packed,
                                        self.tp_shared)
         self.policy_version = version
-        report.phases["receive"] = time.perf_counter() - t0  # the pause included
+        report.phases["receive"] += paused  # the receive phase includes the stream's pause
         return report
 
     def pause_for_sync(self) -> None:
