@@ -102,8 +102,6 @@ def split_run(name: str, overrides: list[str], out: Path) -> dict:
     plan's terms at unit utilization and without fixed costs, to fit them (rl.plan.timing)."""
     from statistics import median
 
-    from rl.config import load_config
-
     run = out / re.sub(r"\W+", "_", name)
     subprocess.run([sys.executable, "-m", "rl.cli", str(ROOT / "recipes" / "quickstart.yaml"),
                     *NO_WARMUP, *overrides, f"run.output_dir={run}", "run.name=split"],
@@ -111,21 +109,17 @@ def split_run(name: str, overrides: list[str], out: Path) -> dict:
     lines = [json.loads(x) for x in (run / "split" / "metrics.jsonl").read_text().splitlines()]
     timed = [m for m in lines if m.get("step", 0) > 1 and "time/update" in m]
     plan = json.loads((run / "split" / "plan.json").read_text())
-    zero3 = load_config(str(run / "split" / "config.yaml")).trainer.zero_stage == 3
     t, hw = plan["time"], plan["hardware"]
-    roll = t["rollout"]
-    steps = roll["decode"] / roll["decode_step"]  # decode steps (waves x tokens)
+    roll, upd = t["rollout"], t["update"]
+    steps = roll["decode_steps"]
     bound_u = hw["decode_utilization" if roll["bound"] == "memory" else "prefill_utilization"]
-    fixed = hw["decode_step_overhead"] + roll["batch"] * hw["decode_sequence_overhead"]
-    per_pass = hw["layer_pass_overhead"] + (hw["zero3_pass_overhead"] if zero3 else 0.0)
-    passes = t["update"]["overhead_seconds"] / per_pass
     return {"measured": {k: median(m[f"time/{k}"] for m in timed) for k in PARTS},
             "planned": {k: timed[-1][f"plan/time_{k}"] for k in PARTS},
             "rollout": [roll["prefill"] * hw["prefill_utilization"]
-                        + steps * (roll["decode_step"] - fixed) * bound_u,
+                        + steps * (roll["decode_step"] - roll["decode_step_fixed"]) * bound_u,
                         steps, steps * roll["batch"]],
-            "update": [t["update"]["compute_seconds"] * hw["train_utilization"], passes,
-                       passes if zero3 else 0.0],
+            "update": [upd["compute_seconds"] * hw["train_utilization"], upd["layer_passes"],
+                       upd["zero3_layer_passes"]],
             "sync": [(t["sync"]["seconds"] - hw["sync_overhead"]) * hw["sync_utilization"], 1.0]}
 
 

@@ -66,7 +66,8 @@ def rollout_seconds(shape: ModelShape, hw: Hardware, s: StepShape, max_sequences
     step = max(step, fixed) if hw.gpu else step + fixed
     decode = waves * s.response_tokens * step
     return {"prefill": prefill, "decode": decode, "seconds": prefill + decode,
-            "decode_step": step, "bound": bound, "batch": batch, "waves": waves}
+            "decode_step": step, "bound": bound, "batch": batch, "waves": waves,
+            "decode_steps": waves * s.response_tokens, "decode_step_fixed": fixed}
 
 
 def update_seconds(shape: ModelShape, hw: Hardware, s: StepShape, share_prompts: bool) -> dict:
@@ -90,7 +91,8 @@ def update_seconds(shape: ModelShape, hw: Hardware, s: StepShape, share_prompts:
     compute = flops / rate
     seconds = max(compute, overhead) if hw.gpu else compute + overhead
     return {"tokens_per_rank": tokens, "flops_per_rank": flops, "compute_seconds": compute,
-            "overhead_seconds": overhead, "seconds": seconds}
+            "overhead_seconds": overhead, "seconds": seconds, "layer_passes": passes,
+            "zero3_layer_passes": passes if s.zero_stage == 3 else 0}
 
 
 def sync_seconds(shape: ModelShape, s: StepShape, link: float, overhead: float) -> dict:

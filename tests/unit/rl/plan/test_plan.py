@@ -184,3 +184,24 @@ def test_a_cached_cpu_measurement_takes_this_versions_calibration(tmp_path, monk
     assert hw.bandwidth == stale.bandwidth  # measured once
     assert hw.train_utilization == hardware.CPU_UTILIZATION["train"]
     assert hw.layer_pass_overhead == hardware.CPU_OVERHEADS["layer_pass_overhead"]
+
+
+def test_the_plan_says_the_counts_its_times_are_made_of():
+    """benchmarks/plan_check.py fits the fixed costs to the counts the plan reports (decode
+    steps, a step's fixed cost, layer passes): they are the ones its times were built from."""
+    from dataclasses import replace
+
+    for stage in (0, 3):
+        cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "ray.num_workers=2",
+                                 f"trainer.zero_stage={stage}", "data.eval_fraction=0"])
+        shape = ModelShape(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=4,
+                           head_dim=64, vocab=1000, tied=True)
+        hw = replace(ram(64), decode_step_overhead=0.5, decode_sequence_overhead=0.25,
+                     layer_pass_overhead=0.125, zero3_pass_overhead=0.0625)
+        t = make_plan(cfg, shape, Cluster(hw, 1, 1), prompt_tokens=24).time
+        roll, upd = t["rollout"], t["update"]
+        assert roll["decode"] == pytest.approx(roll["decode_steps"] * roll["decode_step"])
+        assert roll["decode_step_fixed"] == pytest.approx(0.5 + roll["batch"] * 0.25)
+        assert upd["overhead_seconds"] == pytest.approx(
+            upd["layer_passes"] * 0.125 + upd["zero3_layer_passes"] * 0.0625)
+        assert (upd["zero3_layer_passes"] > 0) == (stage == 3) and upd["layer_passes"] > 0
