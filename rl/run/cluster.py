@@ -66,6 +66,10 @@ def init_local(**kwargs) -> None:
     out). The half-started instance's processes are killed first."""
     import ray
 
+    # The raylet starts a Python worker per CPU when the first driver connects, for tasks; an
+    # actor here never takes one (each starts a worker of its own), so they only cost start-up
+    # (~0.5 CPU-s each, and a process to keep). A value the user set stays.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
             return ray.init(**kwargs)

@@ -1,6 +1,7 @@
 """Where the workers' allocator comes from (ray.cpu_malloc); a local Ray whose start-up timed
 out is killed and started again."""
 import ctypes.util
+import os
 
 import pytest
 
@@ -65,3 +66,19 @@ def test_a_local_start_that_timed_out_is_killed_and_tried_again(monkeypatch):
     with pytest.raises(RuntimeError, match="bad runtime_env"):
         cluster.init_local()
     assert len(calls) == 1
+
+
+def test_a_local_instance_prestarts_no_idle_workers(monkeypatch):
+    """Its actors each start a worker of their own: the raylet is told not to prestart idle
+    ones for the first driver (it reads RAY_* from the environment it starts with)."""
+    import ray
+
+    seen = []
+    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(
+        os.environ.get("RAY_prestart_worker_first_driver")))
+    cluster.init_local(num_cpus=2)
+    assert seen == ["0"]
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")  # the user's choice stays
+    cluster.init_local(num_cpus=2)
+    assert seen == ["0", "1"]
