@@ -67,8 +67,8 @@ def init_local(**kwargs) -> None:
     import ray
 
     # The raylet starts a Python worker per CPU when the first driver connects, for tasks; an
-    # actor here never takes one (each starts a worker of its own), so they only cost start-up
-    # (~0.5 CPU-s each, and a process to keep). A value the user set stays.
+    # actor here never takes one (each starts a worker of its own), so they only cost their
+    # start-up and a process to keep (docs/cpu-notes.md). A value the user set stays.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
