@@ -4,11 +4,10 @@ build step on purpose (no compiler is not fatal), so a renamed function it calls
 there: DeepSpeed's CPU comm op (~35 s of both cores) was then built inside the suite's first
 test instead of by setup.sh, for 29 commits."""
 import ast
-import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).parents[2]
-PACKAGES = ("rl", "rollout", "update", "weight_sync", "rewards", "envs")
+from tests.unit.test_layering import PACKAGES, ROOT
+
 FROM_IMPORT = re.compile(r"\bfrom\s+([\w.]+)\s+import\s+([\w ,]+)")
 
 
