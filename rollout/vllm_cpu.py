@@ -77,7 +77,30 @@ def patch_cpu_engine(linear_mode: str) -> None:
     wrapped for `linear_mode`, and engine starts that survive llvmlite's proxy modules."""
     install_cpu_linear_dispatch()
     tolerate_proxy_modules()
+    eager_helpers()
     set_cpu_linear_mode(linear_mode)
+
+
+# vLLM's small helpers that it wraps in torch.compile of their own, outside the model's graph:
+# a sampled (or prompt) token's rank among the logprobs, on every call that asks for logprobs
+# (all of ours), and a TP rank's vocabulary mask. Each process compiled them on its first call
+# (dynamo, inductor's cache key over torch's sources, the ISA probes' subprocesses): the
+# engine's first generate took 2.6 CPU-s against 0.06 eager, every engine process of every run
+# (docs/cpu-notes.md). Eager they run the same integer and comparison ops.
+EAGER_HELPERS = (("vllm.v1.sample.sampler", "batched_count_greater_than"),
+                 ("vllm.model_executor.layers.vocab_parallel_embedding",
+                  "get_masked_input_and_mask"))
+
+
+def eager_helpers() -> None:
+    """Put back the plain functions behind EAGER_HELPERS' torch.compile wrappers (in a compiled
+    model dynamo traces through the plain function as it did through the wrapper)."""
+    import importlib
+
+    for module_name, name in EAGER_HELPERS:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+        setattr(module, name, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 def tolerate_proxy_modules() -> None:

@@ -73,3 +73,33 @@ def test_stale_tp_communicator_files_go_mapped_and_new_ones_stay(tmp_path):
     assert not os.path.exists(stale)
     assert all(os.path.exists(p) for p in (young, other, in_use))
     mapping.close()
+
+
+def test_vllms_own_compiled_helpers_run_eagerly_in_a_cpu_engines_process():
+    """A token's rank (every call with logprobs) and a TP rank's vocabulary mask: vLLM wraps
+    each in a torch.compile of its own, which each engine process compiled on its first call
+    (2.6 CPU-s against 0.06 eager). patch_cpu_engine (every CPU engine and TP rank process)
+    puts the plain functions back; they compile nothing and give the same results."""
+    import importlib
+
+    import torch
+
+    sampler = pytest.importorskip("vllm.v1.sample.sampler")
+    from rollout.vllm_cpu import EAGER_HELPERS, patch_cpu_engine
+
+    patch_cpu_engine("packed")
+    for module, name in EAGER_HELPERS:
+        assert not hasattr(getattr(importlib.import_module(module), name),
+                           "_torchdynamo_orig_callable"), (module, name)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    logprobs = torch.log_softmax(torch.randn(6, 40, generator=torch.Generator().manual_seed(0)), -1)
+    tokens = torch.tensor([0, 5, 39, 7, 7, 12])
+    out = sampler.Sampler.gather_logprobs(logprobs, 2, tokens)
+    picked = logprobs.gather(-1, tokens[:, None])
+    assert torch.equal(out.selected_token_ranks, (logprobs >= picked).sum(-1))
+    assert torch.equal(out.logprob_token_ids[:, 0], tokens.to(torch.int32))
+    vocab = importlib.import_module("vllm.model_executor.layers.vocab_parallel_embedding")
+    ids, masked = vocab.get_masked_input_and_mask(torch.tensor([0, 3, 4, 9]), 2, 5, 0, 5, 5)
+    assert ids.tolist() == [0, 1, 2, 0] and masked.tolist() == [True, False, False, True]
+    assert not torch._dynamo.utils.counters["frames"], dict(torch._dynamo.utils.counters)
