@@ -78,7 +78,27 @@ def patch_cpu_engine(linear_mode: str) -> None:
     install_cpu_linear_dispatch()
     tolerate_proxy_modules()
     eager_helpers()
+    one_pass_gc_freeze()
     set_cpu_linear_mode(linear_mode)
+
+
+def one_pass_gc_freeze() -> None:
+    """vLLM collects generation 0, then 1, then 2 before it freezes the heap (twice in an
+    engine's build). Built with the collector paused (rl.run.role.lasting), everything the
+    build made sits in generation 0, so that is three passes over it: 1.39 CPU-s against
+    0.56 for one full collection, measured over the ~1M objects of a process that imported
+    torch, transformers, DeepSpeed and vLLM. One full collection, then the freeze: the same
+    objects end frozen."""
+    import gc
+
+    from vllm.v1.engine import core
+    from vllm.v1.worker import gpu_worker
+
+    def freeze_gc_heap() -> None:
+        gc.collect()
+        gc.freeze()
+
+    core.freeze_gc_heap = gpu_worker.freeze_gc_heap = freeze_gc_heap
 
 
 # vLLM's small helpers that it wraps in torch.compile of their own, outside the model's graph:
