@@ -5,7 +5,9 @@ raises (or kills its worker) is reported as an error. Nothing a reward does stop
 Calls go to a worker in chunks (one pipe round trip per call cost 12 ms for 256 exact-answer
 calls, the whole reward phase), and the worker answers each as it finishes: the timeout still
 runs per call, from the previous answer. The calls a killed worker had not reached yet go to
-the next free worker.
+the next free worker. A worker's start-up (the interpreter, the reward's imports) is not a
+call's time: a call's timeout runs from when its worker said it was ready, and a worker gets
+STARTUP_TIMEOUT_S to say so.
 """
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+READY = "ready"  # a worker's first message: its rewards are imported
+# A worker still starting after this long is taken as hung (its first call times out). Not the
+# calls' timeout: under load a replacement's spawn and imports took longer than a 1 s
+# reward.timeout_s, and the fast call it was given came back a timeout.
+STARTUP_TIMEOUT_S = 120.0
 
 
 def _call(fn, kwargs):
@@ -34,6 +41,7 @@ def _worker_main(conn, specs: list[str]) -> None:
     from rewards.registry import resolve
 
     fns = [resolve(s) for s in specs]
+    conn.send((None, READY, None))
     while True:
         chunk = conn.recv()
         if chunk is None:
@@ -55,6 +63,7 @@ class _Worker:
     conn: object
     assigned: deque = field(default_factory=deque)  # call ids sent and not answered, in order
     deadline: float = 0.0  # of the first assigned call
+    ready: bool = False  # it said READY: the calls' deadlines run
 
 
 class RewardPool:
@@ -69,6 +78,11 @@ class RewardPool:
         p.start()
         child.close()
         return _Worker(p, parent)
+
+    def _start_clock(self, w: _Worker) -> None:
+        """w's first assigned call's deadline: its timeout from now once w is ready, else the
+        start-up's bound (the timeout starts at READY)."""
+        w.deadline = time.monotonic() + (self.timeout_s if w.ready else STARTUP_TIMEOUT_S)
 
     def _replace(self, w: _Worker) -> None:
         w.process.kill()
@@ -86,7 +100,7 @@ class RewardPool:
                 if not w.assigned and pending:
                     ids = [pending.popleft() for _ in range(min(size, len(pending)))]
                     w.assigned.extend(ids)
-                    w.deadline = time.monotonic() + self.timeout_s
+                    self._start_clock(w)
                     w.conn.send([(cid, calls[cid][0], calls[cid][1]) for cid in ids])
             busy = [w for w in self.workers if w.assigned]
             wait_for = max(0.0, min(w.deadline for w in busy) - time.monotonic())
@@ -102,9 +116,13 @@ class RewardPool:
                                    f"{w.process.exitcode})")
                         self._requeue(w, pending)
                         continue
+                    if status == READY:
+                        w.ready = True
+                        self._start_clock(w)
+                        continue
                     w.assigned.popleft()  # cid: the worker answers in order
                     results[cid] = (status, value)
-                    w.deadline = time.monotonic() + self.timeout_s
+                    self._start_clock(w)
                 elif time.monotonic() >= w.deadline:
                     results[w.assigned.popleft()] = (TIMEOUT, None)
                     self._requeue(w, pending)
