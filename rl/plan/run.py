@@ -1,6 +1,7 @@
 """The plan of a resolved config on a named hardware and cluster (rl-plan, rl-train's preflight)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -92,14 +93,18 @@ def cached_cpu(cache_dir: Path) -> Hardware:
     # v2: bf16 measured (before it, bf16 was taken as float32)
     key = f"v2-{model}-{os.cpu_count()}".replace("/", "_").replace(" ", "_")
     file = cache_dir / "hardware" / f"{key}.json"
-    if file.exists():
-        hw = Hardware(**json.loads(file.read_text()))
-    else:
-        hw = measure_cpu()
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(f"{file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(hw.to_dict()))
-        tmp.replace(file)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    # Runs started together (benchmarks/vs_trl.py --jobs, the test suite's) measure once, one
+    # after the other, not each against the others' measurements; the lock dies with its holder
+    with open(file.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if file.exists():
+            hw = Hardware(**json.loads(file.read_text()))
+        else:
+            hw = measure_cpu()
+            tmp = file.with_name(f"{file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(hw.to_dict()))
+            tmp.replace(file)
     return replace(hw, memory_bytes=meminfo("MemTotal"), **cpu_calibration())
 
 

@@ -186,6 +186,27 @@ def test_a_cached_cpu_measurement_takes_this_versions_calibration(tmp_path, monk
     assert hw.layer_pass_overhead == hardware.CPU_OVERHEADS["layer_pass_overhead"]
 
 
+def test_runs_started_together_measure_this_cpu_once(tmp_path, monkeypatch):
+    """Three runs asking at once (vs_trl.py --jobs, the suite's early runs): one measures while
+    the others wait for its figures (each measured, against the others' load, before)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.plan import run
+
+    measured = []
+
+    def measure():
+        measured.append(1)
+        time.sleep(0.2)
+        return ram(8)
+
+    monkeypatch.setattr(run, "measure_cpu", measure)
+    with ThreadPoolExecutor(3) as pool:
+        found = list(pool.map(lambda _: run.cached_cpu(tmp_path), range(3)))
+    assert len(measured) == 1 and len({hw.bandwidth for hw in found}) == 1
+
+
 def test_the_plan_says_the_counts_its_times_are_made_of():
     """benchmarks/plan_check.py fits the fixed costs to the counts the plan reports (decode
     steps, a step's fixed cost, layer passes): they are the ones its times were built from."""
