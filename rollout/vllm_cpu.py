@@ -74,7 +74,8 @@ def prepare_cpu_process(linear_mode: str) -> None:
 
 def patch_cpu_engine(linear_mode: str) -> None:
     """In a process that runs a CPU engine (or a TP engine's rank): vLLM's linear dispatch
-    wrapped for `linear_mode`, and engine starts that survive llvmlite's proxy modules."""
+    wrapped for `linear_mode`, engine starts that survive llvmlite's proxy modules, vLLM's
+    compiled helpers run eagerly, and one collection before each freeze of its heap."""
     install_cpu_linear_dispatch()
     tolerate_proxy_modules()
     eager_helpers()
