@@ -58,16 +58,30 @@ def state_bytes(trained: float, side: TrainerSide) -> dict:
             "optimizer": trained * o / (n if z >= 1 else 1)}
 
 
-def zero_buffers(trained: float, side: TrainerSide) -> float:
-    """What DeepSpeed's ZeRO-1/2 optimizer holds beyond the model states: a flat float32 copy
-    of its partition beside float32 weights (bf16's 12 bytes count it already), and the
-    contiguous bucket gradients are reduced through (reduce_bucket_size, 5e8 elements by
-    default, or the whole model); what they change on a measured peak: docs/planning.md."""
-    if side.zero_stage not in (1, 2):
+def zero_buffers(trained: float, side: TrainerSide, bucket: float | None = None) -> float:
+    """What DeepSpeed's ZeRO optimizer holds beyond the model states: a flat float32 copy of its
+    partition beside float32 weights (bf16's 12 bytes count it already), and the contiguous
+    bucket gradients are reduced through (`bucket` elements: reduce_bucket_size, 5e8 by default;
+    update.zero sets a ZeRO-3 model gathered module by module its largest gather unit). ZeRO-3
+    keeps the copy too: DeepSpeed 0.19 would reuse float32 weights as their master copy, but it
+    tests `tensor.device == "cpu"` (or "cuda:0"), and a torch.device never equals a string
+    (found by a census of bench-100m's storages at rest: docs/planning.md). On a GPU the bucket
+    is allocated whole; on a CPU only the pages the gradients write become resident."""
+    if side.zero_stage == 0:
         return 0.0
+    bucket = REDUCE_BUCKET if bucket is None else bucket
     mixed = side.dtype == "bfloat16" and side.bf16_mode == "weights"
     copy = 0.0 if mixed else trained * 4 / side.ranks
-    return copy + min(REDUCE_BUCKET, trained) * (2 if mixed else 4)
+    return copy + (bucket if side.gpu else min(bucket, trained)) * (2 if mixed else 4)
+
+
+def reduce_bucket(shape: ModelShape, side: TrainerSide) -> float:
+    """reduce_bucket_size as update.zero.ds_config sets it: under ZeRO-3 gathered module by
+    module with the release, the largest gather unit (a decoder layer, or the embedding if
+    larger: update.zero.release_unit); else DeepSpeed's default."""
+    if side.zero_stage == 3 and side.release and not gathered_whole(shape, side):
+        return max(shape.layer_params(), shape.embedding_params())
+    return REDUCE_BUCKET
 
 
 REDUCE_BUCKET = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size, in elements
@@ -139,13 +153,14 @@ def trainer_memory(shape: ModelShape, side: TrainerSide) -> dict:
     else:
         states = state_bytes(phi, side)
     out.update(states)
-    buffers = zero_buffers(side.lora_params or phi, side)
+    bucket = reduce_bucket(shape, side)
+    buffers = zero_buffers(side.lora_params or phi, side, bucket)
     if buffers:
         out["zero buffers"] = buffers
     if side.reference:  # a frozen copy in the compute dtype, sharded as the weights are
         out["reference"] = phi * b / (side.ranks if side.zero_stage == 3 else 1)
     if side.critic:  # a second model of the same shape with its own optimizer (a value head)
-        out["critic"] = sum(state_bytes(phi, side).values()) + zero_buffers(phi, side)
+        out["critic"] = sum(state_bytes(phi, side).values()) + zero_buffers(phi, side, bucket)
     train = {"gathered": gathered_bytes(shape, side, b),
              "activations": activation_bytes(shape, side), "logits": logits_bytes(shape, side)}
     out.update(train)

@@ -66,6 +66,7 @@ def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
                                         use_cache=False).logits[0, :-1]
             engine_probe = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
         state = full_state_dict(trainer.engine, cfg)
+        buffers = zero3_buffers(trainer.engine.optimizer) if cfg.zero_stage == 3 else None
         critic = ValueTrainer(path, cfg, loss_cfg, grad_accum=1)
         full = collate(samples, 0)
         full.update(critic.prepare([full])[0])
@@ -75,11 +76,22 @@ def _run(rank: int, world_size: int, port: int, path: str, out) -> None:
         results[name] = dict(
             whole=z3_whole(trainer.engine.module), ref_whole=z3_whole(trainer.ref.module),
             metrics=metrics, probes=probes,
-            engine_probe=engine_probe, traces=traces,
+            engine_probe=engine_probe, traces=traces, buffers=buffers,
             weights={k: v.clone() for k, v in state.items()} if state else None,
             critic=(critic_metrics, values_after))
         del trainer, critic
     out[rank] = results
+
+
+def zero3_buffers(optimizer) -> dict:
+    """The elements of what DeepSpeed's ZeRO-3 optimizer keeps beside the model states, as
+    rl.plan.memory.zero_buffers counts them: the float32 master partition where it is a copy (not
+    the weights' own storage), the reduce bucket, and the weights' partition."""
+    own = {t.untyped_storage().data_ptr() for t in optimizer.fp16_partitioned_groups_flat}
+    return dict(copy=sum(t.numel() for t in optimizer.fp32_partitioned_groups_flat
+                         if t.untyped_storage().data_ptr() not in own),
+                bucket=max(b.buffer.numel() for b in optimizer.ipg_buckets.values()),
+                partition=sum(t.numel() for t in optimizer.fp16_partitioned_groups_flat))
 
 
 def _within(a: dict, b: dict, tol) -> bool:
@@ -105,6 +117,7 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
     def tol(magnitude, steps=0):
         return rounding(magnitude, depth(config, steps), width(config))
 
+    check_planned_buffers(out[0], config.to_dict())
     for rank, results in out.items():
         # the policy gathered whole where asked, the frozen reference as the policy
         assert [results[c]["whole"] for c in CONFIGS] == [False, False, True, False, True, False]
@@ -133,3 +146,25 @@ def test_zero3_equals_zero2_and_keeps_its_trace(tmp_path):
                 u3 = torch.cat([(w3[k] - initial[k]).flatten() for k in w2])
                 relative = float((u3 - u2).norm() / u2.norm())
                 assert relative <= adam_update(depth(config), width(config)), (name, relative)
+
+
+def check_planned_buffers(results: dict, config: dict) -> None:
+    """What the planner counts beside ZeRO-3's model states is what DeepSpeed holds: a float32
+    master copy of the partition (DeepSpeed's reuse of float32 weights never applies) and a
+    reduce bucket of update.zero's size (a decoder layer or the embedding, module by module;
+    DeepSpeed's default whole)."""
+    from rl.plan.memory import TrainerSide, reduce_bucket
+    from rl.plan.shape import ModelShape
+
+    shape = ModelShape.from_config(config)
+    for name, extra in CONFIGS.items():
+        if extra["zero_stage"] != 3:
+            continue
+        side = TrainerSide(ranks=2, zero_stage=3, dtype="float32", bf16_mode="weights",
+                           micro_batch=12, prompt_tokens=1, response_tokens=1, group_size=1,
+                           share_prompts=True, checkpointing=False,
+                           whole_model_max=extra["zero3_whole_model_max"], release=True,
+                           reference=True, critic=False)
+        got = results[name]["buffers"]
+        assert got["copy"] == got["partition"] > 0, (name, got)
+        assert got["bucket"] == reduce_bucket(shape, side), (name, got)

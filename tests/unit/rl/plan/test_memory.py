@@ -85,7 +85,31 @@ def test_zero_1_2_buffers_a_float32_partition_copy_and_the_reduce_bucket():
     assert zero_buffers(1e8, s) == 1e8 * 4 / 2 + 1e8 * 4  # copy of the half, whole gradient
     assert zero_buffers(1e10, s) == 1e10 * 4 / 2 + 5e8 * 4  # the bucket caps at 5e8 elements
     assert zero_buffers(1e8, side(2, 2)) == 1e8 * 2  # bf16: the master copy is a model state
-    assert zero_buffers(1e8, side(3, 2, "float32")) == zero_buffers(1e8, side(0, 2)) == 0
+    assert zero_buffers(1e8, side(0, 2, "float32")) == zero_buffers(1e8, side(0, 2)) == 0
+
+
+def test_zero_3_keeps_a_float32_master_copy_and_a_bucket_of_its_release_unit():
+    """DeepSpeed's ZeRO-3 copies float32 weights into a master partition (its reuse test compares
+    a torch.device with a string); bench-100m at rest held that 193 MiB copy and a 24 MiB bucket
+    of one decoder layer (docs/planning.md)."""
+    from dataclasses import replace
+
+    from rl.plan.memory import REDUCE_BUCKET, reduce_bucket, zero_buffers
+
+    s = side(3, 2, "float32")
+    assert zero_buffers(1e8, s, 6e6) == 1e8 * 4 / 2 + 6e6 * 4
+    assert zero_buffers(1e8, side(3, 2), 6e6) == 6e6 * 2  # bf16: the master copy is a state
+    assert zero_buffers(1e6, s) == 1e6 * 4 / 2 + 1e6 * 4  # CPU: the bucket's touched pages
+    assert zero_buffers(1e6, replace(s, gpu=True)) == 1e6 * 4 / 2 + REDUCE_BUCKET * 4
+    bench = ModelShape(hidden=768, layers=16, heads=12, kv_heads=4, head_dim=64,
+                       intermediate=2048, vocab=384, tied=False, qkv_bias=True)
+    assert bench.layer_params() == 6_294_272  # the real model's decoder layer (24 MiB in fp32)
+    assert reduce_bucket(bench, s) == bench.layer_params()
+    big_vocab = replace(bench, vocab=49152)
+    assert reduce_bucket(big_vocab, s) == big_vocab.embedding_params()  # the largest unit
+    assert reduce_bucket(bench, replace(s, whole_model_max=10 ** 9)) == REDUCE_BUCKET  # whole
+    assert reduce_bucket(bench, replace(s, release=False)) == REDUCE_BUCKET
+    assert reduce_bucket(bench, side(2, 2, "float32")) == REDUCE_BUCKET
 
 
 def test_a_cpu_engine_that_repacks_holds_its_linears_twice():
