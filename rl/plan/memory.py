@@ -12,12 +12,27 @@ from dataclasses import dataclass
 from rl.plan.shape import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# elements a decoder layer keeps per token for its backward (HF Llama/Qwen2 with SDPA): the two
-# norms' inputs and outputs (4h), q, k, v and the rotated q, k (2q + 3kv, q = h), attention's
-# output (h), the residual (h), the MLP's gate, up and act(gate)*up (3I: update.mlp recomputes
-# act(gate) in the backward); calibrated against measured peaks (docs/planning.md)
+# elements a decoder layer keeps per token it runs, for its backward (HF Llama/Qwen2 with
+# SDPA): the two norms' inputs and outputs and the residual (6h), the rotated q and attention's
+# output (2q), the MLP's gate, up and act(gate)*up (3I: update.mlp recomputes act(gate) in the
+# backward); the keys and values are attention_key_elements. Counted with saved-tensor hooks
+# on bench-100m's shared-prompt forward (docs/planning.md; tests/unit/update/test_activations.py)
 def layer_activation_elements(s: ModelShape) -> int:
-    return 4 * s.hidden + 2 * s.q_dim + 3 * s.kv_dim + 2 * s.hidden + 3 * s.intermediate
+    return 6 * s.hidden + 2 * s.q_dim + 3 * s.intermediate
+
+
+def attention_key_elements(s: ModelShape, side: TrainerSide) -> int:
+    """The keys and values a layer's attention keeps for its backward, per micro-batch:
+    transformers repeats the KV heads up to the query heads before SDPA whenever the batch has a
+    padding mask (an RL batch always has), so 2·q_dim elements a key, for every sequence that
+    reads it: each sample's P + R in the full layout; with shared prompts each prompt's P in the
+    prompts' pass, and each sample's P + R again in the responses' pass (its prompt's keys
+    gathered before its own)."""
+    p, r, b = side.prompt_tokens, side.response_tokens, side.micro_batch
+    keys = b * (p + r)
+    if side.share_prompts:
+        keys += -(-b // side.group_size) * p
+    return 2 * s.q_dim * keys
 
 
 # float32 copies of the response logits the loss holds at once: the logits its backward reads,
@@ -121,7 +136,7 @@ def activation_bytes(shape: ModelShape, side: TrainerSide) -> float:
     recompute each layer's input and one layer's activations recomputed in the backward."""
     t, _ = micro_tokens(side)
     b = 2 if side.dtype == "bfloat16" else 4
-    per_layer = layer_activation_elements(shape) * t * b
+    per_layer = (layer_activation_elements(shape) * t + attention_key_elements(shape, side)) * b
     if side.gpu and side.dtype == "float32":
         # CUDA's flash attention takes 16-bit inputs only: in float32 with a padding mask SDPA
         # keeps the scores and the probabilities, B·heads·S² each (calibrated on the H200 run

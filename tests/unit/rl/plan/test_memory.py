@@ -133,3 +133,53 @@ def test_a_cpu_engine_that_repacks_holds_its_linears_twice():
         assert engine_memory(shape, e, 24 * 2 ** 30)["weights"] == 4 * (
             shape.params() + twice * shape.linear_params()), overrides
         assert not engine_side(cfg, gpu=True, prompt_tokens=31).kept_weights  # GPU: no copy
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_activations_are_what_autograd_keeps_of_a_padded_micro_batch(share):
+    """The plan's activations against the bytes update.forward's pass saves for its backward
+    (saved-tensor hooks), on a GQA model with padded prompts and responses, as RL batches are:
+    transformers repeats the KV heads before SDPA under a padding mask, so each sequence keeps
+    its keys and values at the query heads' width (with shared prompts, every sample its
+    prompt's again). Within 15%: the plan counts padded lengths and R response positions where
+    the shared pass runs R - 1, and leaves out masks, rotary tables and the head's input."""
+    import random
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rl.algo.batch import Sample, collate
+    from rl.plan.memory import activation_bytes
+    from update.forward import response_parts
+    from update.mlp import lean_gated_mlps
+
+    cfg = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg, attn_implementation="sdpa"))
+    lean_gated_mlps(model)  # as update.trainer runs it
+    rng, samples = random.Random(0), []
+    for g in range(4):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(10, 14))]
+        for _ in range(4):
+            r = [rng.randrange(3, 60) for _ in range(rng.randint(3, 6))]
+            samples.append(Sample(g, g, prompt, r, [-1.0] * len(r), "stop", "",
+                                  advantages=[1.0] * len(r)))
+    mb = collate(samples, 0, share_prompts=share)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        response_parts(model, mb)
+    s = TrainerSide(ranks=1, zero_stage=0, dtype="float32", bf16_mode="weights", micro_batch=16,
+                    prompt_tokens=max(len(x.prompt_ids) for x in samples),
+                    response_tokens=mb["response_mask"].shape[1], group_size=4,
+                    share_prompts=share, checkpointing=False, whole_model_max=0, release=True,
+                    reference=False, critic=False)
+    planned = activation_bytes(ModelShape.from_config(dict(cfg, model_type="qwen2")), s)
+    assert 0.85 <= planned / sum(kept.values()) <= 1.15, (planned, sum(kept.values()))
