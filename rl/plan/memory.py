@@ -16,7 +16,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # SDPA): the two norms' inputs and outputs and the residual (6h), the rotated q and attention's
 # output (2q), the MLP's gate, up and act(gate)*up (3I: update.mlp recomputes act(gate) in the
 # backward); the keys and values are attention_key_elements. Counted with saved-tensor hooks
-# on bench-100m's shared-prompt forward (docs/planning.md; tests/unit/update/test_activations.py)
+# on bench-100m's shared-prompt forward (docs/planning.md; tests/unit/rl/plan/test_memory.py)
 def layer_activation_elements(s: ModelShape) -> int:
     return 6 * s.hidden + 2 * s.q_dim + 3 * s.intermediate
 
