@@ -25,14 +25,12 @@ def attention_key_elements(s: ModelShape, side: TrainerSide) -> int:
     """The keys and values a layer's attention keeps for its backward, per micro-batch:
     transformers repeats the KV heads up to the query heads before SDPA whenever the batch has a
     padding mask (an RL batch always has), so 2·q_dim elements a key, for every sequence that
-    reads it: each sample's P + R in the full layout; with shared prompts each prompt's P in the
-    prompts' pass, and each sample's P + R again in the responses' pass (its prompt's keys
-    gathered before its own)."""
-    p, r, b = side.prompt_tokens, side.response_tokens, side.micro_batch
-    keys = b * (p + r)
-    if side.share_prompts:
-        keys += -(-b // side.group_size) * p
-    return 2 * s.q_dim * keys
+    reads it: each token the forward runs (micro_tokens) is a key of its own sequence, and with
+    shared prompts each sample reads its prompt's P keys again in the responses' pass (gathered
+    before its own)."""
+    t, _ = micro_tokens(side)
+    again = side.micro_batch * side.prompt_tokens if side.share_prompts else 0
+    return 2 * s.q_dim * (t + again)
 
 
 # float32 copies of the response logits the loss holds at once: the logits its backward reads,
