@@ -21,9 +21,10 @@ SMALL = ["trainer.total_steps=2", "rollout.prompts_per_step=8", "rollout.n=4",
 # 2 cores): benchmarks/smollm2_before_after.py runs them; tests/unit/rewards checks their data.
 REAL_MODEL = {"smollm2_chain_sum.yaml", "smollm2_tools.yaml"}
 # Recipes another integration test runs end to end already, with the same step checks
-# (recipe_checks.check_step_metrics): quickstart_lora's and ppo's killed and resumed runs
-# (test_resume.py), quickstart's CLI run (test_rl_train.py), quickstart_one_step's hurt runs
-# (test_async_faults.py; fully_async's too, but its final evaluation is checked here)
+# (recipe_checks.check_step_metrics): quickstart_lora's resumed run (test_lora.py), ppo's
+# killed and resumed runs (test_resume.py), quickstart's CLI run (test_rl_train.py),
+# quickstart_one_step's hurt runs (test_async_faults.py; fully_async's too, but its final
+# evaluation is checked here)
 RUN_ELSEWHERE = {"quickstart_lora.yaml", "ppo.yaml", "quickstart.yaml",
                  "quickstart_one_step.yaml"}
 RECIPES = [r for r in RECIPES if r not in REAL_MODEL | RUN_ELSEWHERE]

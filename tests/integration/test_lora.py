@@ -4,6 +4,9 @@ stages 0-3 alike (within rounding, tests/numerics.py); the reference is the base
 logprobs equal those of the model loaded alone); the merged model scores as the adapted
 policy; and the checkpoint holds the adapters and their optimizer state only, from which the
 next step is bit-identical."""
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.integration.test_shared_prompts import rank_samples
@@ -176,3 +179,43 @@ def test_lora_syncs_pass_the_probe_and_a_skipped_one_is_caught(ray_session, plac
                 assert loaded == [[version + 1]] * 2  # the new adapter only
             else:
                 assert stats["sync/bytes"] >= full_bytes * 0.9 and loaded == [[]] * 2
+
+
+# the quickstart_lora recipe (adapters on every linear layer of a ZeRO-3 policy, the reference
+# the base with the adapter off, adapter syncs into vLLM's LoRA), 4 steps, a checkpoint every 2
+# (the adapters and their optimizer state only), on the session's 2 x 0.5-CPU colocated actors
+LORA_RUN = ["trainer.total_steps=4", "trainer.checkpoint_every=2", "warmup.sft_steps=4",
+            "rollout.prompts_per_step=8", "data.eval_fraction=0", "trainer.eval_every=0",
+            "run.loggers=[jsonl]", "ray.num_cpus_per_worker=0.5"]
+
+
+def test_a_lora_run_resumed_from_its_adapters_is_bit_exact(placements, tmp_path):
+    """A LoRA run resumed from its step_2 checkpoint (`--resume RUN/checkpoints/step_2`: the
+    adapters, their optimizer state, the data position and RNG, the engines restored by a
+    checked adapter sync) drops the lines logged past it and logs steps 3 and 4 bit for bit as
+    the run did. The driver killed with SIGKILL and resumed is test_resume.py's (PPO); here
+    the run goes on in this process, on the same actors."""
+    from rl.config import load_config
+    from rl.run.checkpoint import check_resume, find_resume_point
+    from rl.run.controller import Controller
+    from tests.integration.recipe_checks import check_step_metrics
+    from tests.integration.test_resume import assert_same_steps
+
+    cfg = load_config(str(Path(__file__).parents[2] / "recipes" / "quickstart_lora.yaml"),
+                      LORA_RUN + [f"run.output_dir={tmp_path}"])
+    run_dir = Controller(cfg, placements=placements).run()
+
+    def lines():
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    whole = lines()
+    assert [m["step"] for m in whole] == [1, 2, 3, 4]
+    check_step_metrics(cfg, whole)
+    point = find_resume_point(cfg, str(run_dir / "checkpoints" / "step_2"))
+    check_resume(cfg, point, allow_change=False)
+    resumed = Controller(cfg, resume=point, placements=placements).run()
+    assert resumed == run_dir
+    assert_same_steps(whole, lines())  # steps 3 and 4 once each, bit for bit
+    final = run_dir / "final_model"
+    assert (final / "adapter_config.json").exists()
+    assert (final.with_name("final_model_merged") / "config.json").exists()

@@ -37,15 +37,6 @@ ARGS = ["recipes/ppo.yaml", "rollout.tensor_parallel_size=2",
         "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]"]
 
 
-# LoRA (the quickstart_lora recipe: adapters on every linear layer of a ZeRO-3 policy, the
-# reference the base with the adapter off, adapter syncs into vLLM's LoRA), 4 steps, a
-# checkpoint every 2 (the adapters and their optimizer state only)
-LORA_ARGS = ["recipes/quickstart_lora.yaml", "trainer.total_steps=4", "trainer.checkpoint_every=2",
-             "warmup.sft_steps=4", "rollout.prompts_per_step=8", "data.eval_fraction=0",
-             "trainer.eval_every=0", "run.loggers=[jsonl]", "reward.timeout_s=300",
-             "reward.functions=[{name: tests/integration/hold_reward.py:exact_answer}]"]
-
-
 def timing(key: str) -> bool:
     """Keys a rerun may change: times, memory, the plan (from this machine's measured speed),
     and checkpoint sizes (the saved config and state name the run, and the two runs here have
@@ -174,24 +165,8 @@ def runs(tmp: Path) -> None:
         (tmp / "whole.out").write_text(whole.result().stdout)
 
 
-def lora_runs(tmp: Path) -> None:
-    """LoRA: an uninterrupted run beside one whose driver is SIGKILLed in step 4 (having logged
-    step 3 past its checkpoint step_2) and resumed."""
-    with ThreadPoolExecutor(1) as pool:
-        whole = pool.submit(rl_train, tmp, "whole", args=LORA_ARGS)
-        with held(tmp, "r", [("step_2", 3)], args=LORA_ARGS) as (proc, (hold,)):
-            wait_held(proc, hold)
-            kill_driver(proc)
-        assert [m["step"] for m in lines(tmp / "r")] == [1, 2, 3]
-        out = rl_train(tmp, "r", "--resume", args=LORA_ARGS)
-        assert "resuming from" in out.stdout and "step_2" in out.stdout
-        (tmp / "whole.out").write_text(whole.result().stdout)
-
-
 RUNS = early("resume", __file__, with_integration=True, command=lambda tmp: [
     sys.executable, "-m", "tests.integration.test_resume", str(tmp)])
-LORA_RUNS = early("resume_lora", __file__, with_integration=True, after=RUNS, command=lambda tmp: [
-    sys.executable, "-m", "tests.integration.test_resume", str(tmp), "lora"])
 
 
 @pytest.mark.integration
@@ -210,20 +185,6 @@ def test_dead_actor_in_step_3_and_killed_driver_in_step_6_resume_bit_exact():
     assert_same_steps(whole, again)  # each step once, bit for bit
     check_logs(RUNS.dir / "r", 6)
     check_loggers(RUNS.dir / "r", again)
-
-
-@pytest.mark.integration
-def test_lora_run_killed_and_resumed_is_bit_exact():
-    """With LoRA the resumed run's steps equal the uninterrupted run's bit for bit, from a
-    checkpoint that holds the adapters alone."""
-    LORA_RUNS.passed()
-    assert "reference policy: the base model" in (LORA_RUNS.dir / "whole.out").read_text()
-    whole = lines(LORA_RUNS.dir / "whole")
-    assert [m["step"] for m in whole] == [1, 2, 3, 4]
-    assert_same_steps(whole, lines(LORA_RUNS.dir / "r"))
-    final = LORA_RUNS.dir / "r" / "final_model"
-    assert (final / "adapter_config.json").exists()
-    assert (final.with_name("final_model_merged") / "config.json").exists()
 
 
 def check_logs(run: Path, steps: int) -> None:
@@ -252,4 +213,4 @@ def check_loggers(run: Path, want_lines: list[dict]) -> None:
 
 if __name__ == "__main__":
     kill_held_on_sigterm()
-    (lora_runs if sys.argv[2:] == ["lora"] else runs)(Path(sys.argv[1]))
+    runs(Path(sys.argv[1]))
