@@ -33,8 +33,8 @@ fi
   || { echo "setup: vllm and transformers do not import together; see the error above" >&2; exit 1; }
 if [ "$target" = cpu ]; then
   # DeepSpeed's shared-memory collective for CPU ranks is compiled on first use (~35 s, then
-  # cached under ~/.cache/torch_extensions): once here, not inside the first run or test, and as
-  # every run loads it (update.distributed: the venv's ninja, whose build log another ninja cannot
+  # cached per Python environment under ~/.cache/torch_extensions): once here, not inside the
+  # first run or test, and as every run loads it (update.distributed: the venv's ninja, whose build log another ninja cannot
   # read: built here with the system's, it was built again by the first test)
   if ! err=$(.venv/bin/python -c "from update.distributed import load_shm_comm_op; load_shm_comm_op()" \
       2>&1 >/dev/null); then

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch.utils.file_baton import FileBaton
 
-from update.distributed import jit_build_lock, ninja_first_path
+from update.distributed import extensions_root, jit_build_lock, ninja_first_path
 
 
 def test_a_leftover_torch_lock_is_cleared_while_the_lock_is_held(tmp_path):
@@ -56,3 +56,12 @@ def test_the_interpreters_ninja_comes_first_whatever_path_the_process_has(tmp_pa
     assert ninja_first_path(want, python) == want
     (venv / "ninja").unlink()  # no ninja of its own: PATH as it is
     assert ninja_first_path("/usr/bin:/bin", python) == "/usr/bin:/bin"
+
+
+def test_each_python_environment_builds_its_extensions_in_a_directory_of_its_own(monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    here, clone = extensions_root(sys.prefix), extensions_root("/tmp/a-clone/.venv")
+    assert here != clone and Path(here).parent == Path(clone).parent
+    assert extensions_root(sys.prefix) == here  # the same environment: the same build
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere")  # the user's choice wins
+    assert extensions_root("/tmp/a-clone/.venv") == "/somewhere"
