@@ -39,6 +39,39 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+RENDEZVOUS_PORTS = (20000, 32768)  # above Ray's worker ports (10002-19999), below the kernel's
+EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"  # outgoing connections' ports
+
+
+def rendezvous_port(tries: int = 64, rng=None) -> int:
+    """A free port for a process group's rendezvous, which its rank 0 binds seconds later (its
+    imports come first). Not one the kernel hands out to outgoing connections: a port taken by
+    bind(0) is from that range, and a run starting beside others' start-ups (their gRPC
+    connections) lost it to one in the meantime (EADDRINUSE in init_distributed). A random port
+    below that range and above Ray's workers', free now; bind(0)'s where none is found."""
+    import random
+    import socket
+
+    rng = rng or random.SystemRandom()
+    low, high = RENDEZVOUS_PORTS
+    try:
+        with open(EPHEMERAL) as f:
+            high = min(high, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(tries if high > low else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def lasting(replaces: bool = False):
     """Build, inside, what the process keeps for long (a trainer, an engine, and the modules
@@ -191,14 +224,9 @@ class Role(OnProcess):
 
     def free_address(self) -> tuple[str, int]:
         """(this node's IP, a free port), for a process group's rendezvous."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), rendezvous_port()
 
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int,
                         timeout_s: float) -> None:

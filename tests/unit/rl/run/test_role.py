@@ -109,3 +109,32 @@ def test_what_is_built_to_last_is_frozen_its_garbage_collected_and_a_replaced_bu
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+class Ports:
+    """An rng whose randrange returns the given ports in turn."""
+
+    def __init__(self, *ports):
+        self.ports = list(ports)
+
+    def randrange(self, low, high):
+        return self.ports.pop(0)
+
+
+def test_a_rendezvous_port_is_free_and_not_one_the_kernel_gives_outgoing_connections(
+        tmp_path, monkeypatch):
+    import socket
+
+    from rl.run import role
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("32768\t60999\n")
+    monkeypatch.setattr(role, "EPHEMERAL", str(ephemeral))
+    for _ in range(20):
+        assert 20000 <= role.rendezvous_port() < 32768
+    with socket.socket() as taken:  # a port in use is passed over
+        taken.bind(("", 0))
+        busy = taken.getsockname()[1]
+        assert role.rendezvous_port(rng=Ports(busy, 23456)) == 23456
+    ephemeral.write_text("1024 65535\n")  # no room below the kernel's range: bind(0)'s port
+    assert role.rendezvous_port(rng=Ports()) > 0
