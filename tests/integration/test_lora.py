@@ -189,7 +189,7 @@ LORA_RUN = ["trainer.total_steps=4", "trainer.checkpoint_every=2", "warmup.sft_s
             "run.loggers=[jsonl]", "ray.num_cpus_per_worker=0.5"]
 
 
-def test_a_lora_run_resumed_from_its_adapters_is_bit_exact(placements, tmp_path):
+def test_a_lora_run_resumed_from_its_adapters_is_bit_exact(placements, tmp_path, capsys):
     """A LoRA run resumed from its step_2 checkpoint (`--resume RUN/checkpoints/step_2`: the
     adapters, their optimizer state, the data position and RNG, the engines restored by a
     checked adapter sync) drops the lines logged past it and logs steps 3 and 4 bit for bit as
@@ -204,6 +204,7 @@ def test_a_lora_run_resumed_from_its_adapters_is_bit_exact(placements, tmp_path)
     cfg = load_config(str(Path(__file__).parents[2] / "recipes" / "quickstart_lora.yaml"),
                       LORA_RUN + [f"run.output_dir={tmp_path}"])
     run_dir = Controller(cfg, placements=placements).run()
+    assert "reference policy: the base model" in capsys.readouterr().out
 
     def lines():
         return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
