@@ -43,14 +43,6 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reset_peak() -> None:
     """Start the high-water mark again from the current resident set (Linux clear_refs 5)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -106,6 +98,7 @@ def main() -> None:
 
     from rl.data.models import PRESETS, build_tiny_model
     from rl.run.cluster import tcmalloc
+    from rl.run.role import rendezvous_port
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench-100m", choices=sorted(PRESETS))
@@ -129,7 +122,8 @@ def main() -> None:
     rows = {}
     for k in range(args.repeats):
         for row in args.rows.split(","):
-            mp.spawn(_worker, args=(world, free_port(), path, row, args.steps, out), nprocs=world)
+            mp.spawn(_worker, args=(world, rendezvous_port(), path, row, args.steps, out),
+                     nprocs=world)
             ranks = [json.loads(Path(out, f"{row}-{r}.json").read_text()) for r in range(world)]
             rows.setdefault(row, []).append(ranks)
             print(f"  ZeRO-{row} run {k + 1}: step {ranks[0]['step_s']:.3f} s, peak per rank "

@@ -4,21 +4,16 @@ and a free rendezvous port; they report through a shared dict.
 `spawn_world` starts the processes for one call. `World` keeps them for many calls (a module's
 tests): each call still gets a new port, so the function sets up and tears down its own
 process group as with `spawn_world`; only the processes and their imports are shared."""
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rl.run.role import rendezvous_port
 
 
 def spawn_world(target, world_size: int, *args, timeout_s: float = 300) -> dict:
     """target(rank, world_size, port, *args, out) in world_size processes; returns out."""
-    port = free_port()
+    port = rendezvous_port()
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
@@ -61,7 +56,7 @@ class World:
     def run(self, target, *args) -> dict:
         """target(rank, world_size, port, *args, out) on every process; returns the ranks' out
         dicts merged (as `spawn_world` does), or fails with a rank's traceback."""
-        port = free_port()
+        port = rendezvous_port()
         for q in self.jobs:
             q.put((target, port, args))
         merged, errors = {}, []

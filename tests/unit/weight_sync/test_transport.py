@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from rl.run.role import rendezvous_port
 from tests.faults import corrupt_next_send
 from weight_sync.collective import CollectiveGroup
 from weight_sync.buckets import tied_head_alias
@@ -29,17 +30,9 @@ class TinyLM(torch.nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def broadcast(module, send_version, expect_version, corrupt_bucket=None, bucket_bytes=256):
     """Run one send and one receive concurrently; returns (received dict, receive error)."""
-    port, got, errors = free_port(), {}, []
+    port, got, errors = rendezvous_port(), {}, []
 
     def engine():
         group = CollectiveGroup("127.0.0.1", port, 1, 2, "cpu", timeout_s=30)
