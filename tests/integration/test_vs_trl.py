@@ -18,9 +18,10 @@ ROOT = Path(__file__).parents[2]
 
 
 def smoke_command(tmp: Path) -> list[str]:
-    # two rows at a time: the smoke runs beside the unit tests, which leave a core idle, and
-    # times nothing. Eight at once cost more CPU (alone, from an empty cache: 168-169 CPU-s
-    # against 139-156 for two at a time, 84-92 s either way; one at a time 158 CPU-s, 157 s)
+    # two rows at a time: the smoke times nothing, and it runs beside the unit tests and the
+    # other early runs, which keep both cores busy, so its CPU-seconds are what counts. Eight at
+    # once cost more (alone, from an empty cache: 168-169 CPU-s against 139-156 for two at a
+    # time, 84-92 s either way; one at a time 158 CPU-s, 157 s)
     return [sys.executable, "benchmarks/vs_trl.py", "--preset", "smoke", "--jobs", "2", "--out",
             str(tmp / "out")]
 
