@@ -34,8 +34,9 @@ fi
 if [ "$target" = cpu ]; then
   # DeepSpeed's shared-memory collective for CPU ranks is compiled on first use (~35 s, then
   # cached per Python environment under ~/.cache/torch_extensions): once here, not inside the
-  # first run or test, and as every run loads it (update.distributed: the venv's ninja, whose build log another ninja cannot
-  # read: built here with the system's, it was built again by the first test)
+  # first run or test, and as every run loads it (update.distributed: with the venv's ninja,
+  # whose build log another ninja cannot read; built here with the system's, it was built again
+  # by the first test)
   if ! err=$(.venv/bin/python -c "from update.distributed import load_shm_comm_op; load_shm_comm_op()" \
       2>&1 >/dev/null); then
     echo "setup: DeepSpeed's shm op did not build now ($(tail -n 1 <<<"$err")); the first run builds it" >&2

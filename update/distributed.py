@@ -26,9 +26,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def load_shm_comm_op() -> None:
-    """Load DeepSpeed's CPU shared-memory comm op (a JIT build, cached in torch's extensions
-    directory) before deepspeed.init_distributed asks for it, under `jit_build_lock`; DeepSpeed
-    then takes the loaded module from its cache."""
+    """Load DeepSpeed's CPU shared-memory comm op (a JIT build, cached in this Python
+    environment's extensions directory, `extensions_root`, which stays TORCH_EXTENSIONS_DIR for
+    the process's later builds) before deepspeed.init_distributed asks for it, under
+    `jit_build_lock`; DeepSpeed then takes the loaded module from its cache."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
