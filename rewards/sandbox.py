@@ -9,6 +9,10 @@ A policy under RL finds every way to raise its reward, so the program is treated
   pid 1 exits the kernel kills everything left.
 - Resource limits (rewards/sandbox_limits.py): CPU, memory, file size, open files, processes,
   tmpfs sizes; memory and process totals per call where a cgroup can be made.
+- The program's timeout runs from the runner's start, which it marks with its first byte on
+  stdout: the sandbox's own set-up (three process starts, the mounts) gets SETUP_TIMEOUT_S of
+  its own, and one that overruns it is a SandboxError, never a program that failed every case
+  (under a loaded suite the set-up alone once took the whole 5 s and a right program scored 0).
 - Nothing outlives the call: `setpriv --pdeathsig` and `unshare --kill-child` tie the tree to
   the calling process (a reward pool kills its worker on a timeout); at our own deadline pid 1
   is killed, then the process group; pid 1 keeps its own deadline. Nothing is written to the
@@ -48,6 +52,10 @@ ANSWERS_CAP = 4 << 20  # bytes of answers read back; a program that floods stops
 ERRORS_CAP = 4096
 SETUP_PREFIXES = ("sandbox-init:", "unshare:", "setpriv:")  # only these speak on stderr
 CAP_SYS_ADMIN = 21
+# Set-up (setpriv, unshare, pid 1's interpreter and mounts, the runner's interpreter) takes
+# ~0.1 s; this bounds it on a machine so loaded that interpreters start in seconds.
+SETUP_TIMEOUT_S = 60.0
+START_MARK = b"\n"  # the runner's first write, before it reads the program
 # Root in the --user form runs the program as the host's root user (inside its own user
 # namespace), and the kernel never applies RLIMIT_NPROC to that user: only a cgroup bounds it.
 ROOT_WITHOUT_CGROUP = ("as root without CAP_SYS_ADMIN the program runs as the host's root user "
@@ -140,15 +148,18 @@ def _command(python: str, nested: bool) -> list[str]:
 
 
 def _exchange(proc: subprocess.Popen, request: bytes,
-              deadline: float) -> tuple[bytes, bytes, bool]:
+              run_s: float) -> tuple[bytes, bytes, bool, bool]:
     """Send the request, read stdout (answers) and stderr (set-up errors) until both close,
-    the deadline passes, or the answers pass their cap; (answers, errors, timed out)."""
+    the deadline passes, or the answers pass their cap; (answers, errors, timed out, started).
+    The deadline is SETUP_TIMEOUT_S until the runner's first byte (its start), then run_s from
+    that byte."""
     sel = selectors.DefaultSelector()
     pipes = [p for p in (proc.stdin, proc.stdout, proc.stderr) if p is not None]
     for pipe in pipes:
         os.set_blocking(pipe.fileno(), False)
         sel.register(pipe, selectors.EVENT_WRITE if pipe is proc.stdin else selectors.EVENT_READ)
     out, err, sent, late = bytearray(), bytearray(), 0, False
+    deadline, started = time.monotonic() + SETUP_TIMEOUT_S, False
     try:
         while sel.get_map():
             left = deadline - time.monotonic()
@@ -172,12 +183,22 @@ def _exchange(proc: subprocess.Popen, request: bytes,
                 if not chunk:
                     sel.unregister(pipe)
                 elif pipe is proc.stdout:
+                    if not started:  # only the runner writes here, first its start mark
+                        deadline, started = time.monotonic() + run_s, True
+                        chunk = chunk.removeprefix(START_MARK)
                     out += chunk
                 elif len(err) < ERRORS_CAP:
                     err += chunk
     finally:
         sel.close()
-    return bytes(out[:ANSWERS_CAP]), bytes(err), late
+    return bytes(out[:ANSWERS_CAP]), bytes(err), late, started
+
+
+def _not_started(late: bool) -> None:
+    if late:
+        raise SandboxError(f"the sandbox's runner had not started after SETUP_TIMEOUT_S="
+                           f"{SETUP_TIMEOUT_S:g} s (set-up takes ~0.1 s on an idle machine); "
+                           f"this machine is overloaded: run fewer reward workers")
 
 
 def _children(pid: int) -> list[int]:
@@ -236,6 +257,7 @@ def start_isolated(code: str, job: dict, limits: Limits, python: str | None = No
                           "cgroups": cgroup.procs if cgroup else [], "runner": RUNNER_SOURCE,
                           "code": code, "job": job, "rlimits": rlimits,
                           "limits": {"timeout_s": limits.timeout_s,
+                                     "setup_s": SETUP_TIMEOUT_S,
                                      "disk_mb": limits.disk_mb}}).encode() + b"\n"
     proc = subprocess.Popen(_command(interp.path, nested), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd="/",
@@ -261,17 +283,18 @@ def call_cgroup(limits: Limits):
 
 def run_isolated(code: str, job: dict, limits: Limits, python: str | None = None) -> Run:
     """The runner's answers from a sandboxed run; SandboxError when the sandbox failed."""
-    deadline = time.monotonic() + limits.timeout_s
     with call_cgroup(limits) as cgroup:
         proc, request = start_isolated(code, job, limits, python, cgroup)
         try:
-            out, err, late = _exchange(proc, request, deadline)
+            out, err, late, started = _exchange(proc, request, limits.timeout_s)
         finally:
             _finish(proc, isolated=True)
     lines = err.decode(errors="replace").splitlines()
     setup = [line for line in lines if line.startswith(SETUP_PREFIXES)]
     if setup:
         raise SandboxError(f"the sandbox did not start: {setup[0]}")
+    if not started:
+        _not_started(late)
     return Run(out, late)
 
 
@@ -286,15 +309,16 @@ def run_unisolated(code: str, job: dict, limits: Limits, python: str | None = No
     with tempfile.TemporaryDirectory(prefix="rl-code-exec-") as workdir:
         Path(workdir, "solution.py").write_text(code, encoding="utf-8")
         Path(workdir, "cases.json").write_text(json.dumps(job), encoding="utf-8")
-        deadline = time.monotonic() + limits.timeout_s
         proc = subprocess.Popen([interpreter(python).path, "-I", "-S", "-c", RUNNER_SOURCE],
                                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env={}, start_new_session=True,
                                 preexec_fn=functools.partial(set_limits, rlimits))
         try:
-            out, _, late = _exchange(proc, b"", deadline)
+            out, _, late, started = _exchange(proc, b"", limits.timeout_s)
         finally:
             _finish(proc, isolated=False)
+    if not started:
+        _not_started(late)
     return Run(out, late)
 
 

@@ -12,7 +12,7 @@ It reads one JSON request line on stdin: python (the interpreter, bound read-onl
 read-only directories: the interpreter's prefix when it is not under /usr), nested (whether
 this is the `--user` form), cgroups (cgroup.procs files of the call's cgroups, to join first),
 runner (the runner's source), code, job (cases.json for the runner, without expected values),
-limits (timeout_s, disk_mb) and rlimits (the runner's, see rewards.sandbox_limits). It writes
+limits (timeout_s, setup_s, disk_mb) and rlimits (the runner's, see rewards.sandbox_limits). It writes
 nothing on stdout (that is the runner's answers) and, when it cannot set up, one line starting
 `sandbox-init:` on stderr. Standard library only: it runs on the sandbox's interpreter, not the
 project's. rewards.sandbox also imports rlimit_problem and set_limits from here (the opt-out).
@@ -43,7 +43,7 @@ DEVICES = ("null", "zero", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
          "stderr": "/proc/self/fd/2"}
 MIB = 1 << 20
-GRACE_S = 2.0  # pid 1 outlives the parent's deadline by this much at most
+GRACE_S = 2.0  # pid 1's own deadline: its set-up allowance, the timeout, then this much
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -278,8 +278,9 @@ def main():
     try:
         req = json.loads(sys.stdin.buffer.readline())
         # Our own deadline too, for when the parent died before it could kill us; later than
-        # the parent's, which normally acts first.
-        deadline = time.monotonic() + req["limits"]["timeout_s"] + GRACE_S
+        # the parent's (set-up allowance, then the program's timeout), which normally acts first.
+        limits = req["limits"]
+        deadline = time.monotonic() + limits["setup_s"] + limits["timeout_s"] + GRACE_S
         join_call(req)
         runner = start_runner(req, build_root(req))
     except Exception as e:

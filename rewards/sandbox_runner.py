@@ -6,7 +6,8 @@ which holds solution.py and cases.json: {"timeout_s": float, "cases": [{"fn": na
 or {"stdin": text}]}. Expected values are never here. The program runs in this same process for
 function cases and may rewrite anything in it, this code included: what comes out is only ever
 taken as the program's answers. Lines: {"i": k, "value": v}, {"i": k, "stdout": text} or
-{"i": k, "error": text}. Standard library only (it runs on the sandbox's interpreter).
+{"i": k, "error": text}, after one empty line, written at once: the start that the parent's
+timeout runs from (the sandbox's set-up is not the program's time). Standard library only (it runs on the sandbox's interpreter).
 """
 import json
 import os
@@ -86,6 +87,7 @@ def call_functions(cases, deadline, answer):
 
 def main():
     """Answer every case (stdin cases first, in a child each), then exit at once."""
+    os.write(1, b"\n")  # started: the parent's clock for the program runs from here
     with open("cases.json", encoding="utf-8") as f:
         job = json.load(f)
     deadline = START + job["timeout_s"]

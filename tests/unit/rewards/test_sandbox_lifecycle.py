@@ -1,9 +1,15 @@
 """How a code_exec sandbox ends: nothing of it outlives the call (detached processes, zombies),
-the caller's deadline holds, pid 1 keeps its own, and a program that has answered does not
+the caller's deadline holds and runs from the runner's start, pid 1 keeps its own, and a program that has answered does not
 hold the call open."""
 import time
 
-from rewards.sandbox import Limits, call_cgroup, run_isolated, start_isolated
+import subprocess
+
+import pytest
+
+import rewards.sandbox as sandbox
+from rewards.sandbox import (Limits, SandboxError, call_cgroup, run_cases, run_isolated,
+                             start_isolated)
 
 MARKERS = ["97.531", "97.532", "97.533", "97.534"]
 DETACH = """
@@ -62,6 +68,29 @@ def test_a_program_that_answered_does_not_hold_the_call(form, programs):
     assert not run.timed_out
 
 
+def test_the_timeout_runs_from_the_runners_start_not_the_set_up():
+    # A stand-in whose set-up (before its first byte, the runner's start mark) outlasts the
+    # 1 s timeout, then answers at once: the answer counts. Under the suite's load the real
+    # set-up once took the whole 5 s, and a right program scored 0.
+    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 1.2; echo; echo answer"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err, late, started = sandbox._exchange(proc, b"", run_s=1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (out, late, started) == (b"answer\n", False, True)
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_a_set_up_past_its_allowance_is_a_sandbox_error_not_a_failed_program(
+        isolated, monkeypatch, namespaces):
+    monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 0.0)
+    with pytest.raises(SandboxError, match="runner had not started after SETUP_TIMEOUT_S=0 s"):
+        run_cases("def solve(x):\n    return x\n", [{"fn": "solve", "args": [1], "expect": 1}],
+                  isolated=isolated)
+
+
 ZOMBIES = """
     # A subreaper, as a container's init or a process supervisor is: what the sandbox leaves
     # unreaped when killed at the timeout would come here.
@@ -82,8 +111,10 @@ def test_timed_out_calls_leave_no_zombies(form, run_python):
     assert children.split() == []
 
 
-def test_pid_1_keeps_its_own_deadline_when_nobody_kills_it(form, programs, leftovers):
+def test_pid_1_keeps_its_own_deadline_when_nobody_kills_it(form, programs, leftovers,
+                                                           monkeypatch):
     # As if the parent had died before it could kill anything: nobody reads, nobody kills.
+    monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 1.0)  # pid 1 waits set-up + timeout + grace
     code = programs.hostile(DETACH) + "import time\ntime.sleep(60)\n"
     with call_cgroup(Limits(timeout_s=1.0)) as cgroup:
         proc, request = start_isolated(code, JOB, Limits(timeout_s=1.0), cgroup=cgroup)
@@ -99,7 +130,7 @@ def watch_pid_1_alone(proc, request, leftovers):
         while len(leftovers.pids_with(MARKERS)) < 4 and time.monotonic() < end:
             time.sleep(0.02)
         assert len(leftovers.pids_with(MARKERS)) == 4, "the sleepers never started"
-        proc.wait(timeout=15)  # pid 1 gives up at 1 s + its grace, taking the namespace along
+        proc.wait(timeout=15)  # pid 1 gives up at 1 + 1 s + its grace, taking the namespace along
         assert leftovers(MARKERS) == []
     finally:
         proc.kill()
