@@ -92,7 +92,7 @@ def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tm
 SLOW_IMPORT = '''
 import time
 
-time.sleep(0.5)  # the reward's imports: each worker's start-up
+time.sleep(1.5)  # the reward's imports: each worker's start-up
 
 
 def slow(prompt, completion):
@@ -103,13 +103,13 @@ def slow(prompt, completion):
 
 
 def test_a_workers_start_up_is_not_its_calls_time(tmp_path):
-    """A call's timeout runs from when its worker is ready: a reward that takes 0.5 s to import
-    answers under a 0.3 s timeout, the first call and the one after a hang (which a new worker,
+    """A call's timeout runs from when its worker is ready: a reward that takes 1.5 s to import
+    answers under a 1 s timeout (room for a loaded machine's round trip), the first call and the one after a hang (which a new worker,
     starting again, answers). Timed from the call's sending, both came back timeouts (under the
     suite's load a 1 s reward.timeout_s ran out on a replacement's start-up)."""
     plugin = tmp_path / "plugin.py"
     plugin.write_text(SLOW_IMPORT)
-    pool = RewardPool([f"{plugin}:slow"], num_workers=1, timeout_s=0.3)
+    pool = RewardPool([f"{plugin}:slow"], num_workers=1, timeout_s=1.0)
     try:
         results = pool.run([(0, {"prompt": "p", "completion": c}) for c in ("a", "hang", "b")])
     finally:
