@@ -72,12 +72,12 @@ def slow(prompt, completion):
 
 
 def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tmp_path):
-    """40 calls on 2 workers go in chunks of 5: a chunk of 0.25 s calls outlasts the 1 s timeout
-    as a whole, yet no call times out; a hang and a crash in the middle of a chunk cost only
+    """40 calls on 2 workers go in chunks of 5: a chunk of 0.21 s calls outlasts the 1 s timeout
+    as a whole (sleeps never end early), yet no call times out; a hang and a crash in the middle of a chunk cost only
     their own call, and the rest of that chunk is answered by a new worker."""
     plugin = tmp_path / "plugin.py"
     plugin.write_text(CHUNKED)
-    completions = ["0.25"] * 40
+    completions = ["0.21"] * 40
     completions[7], completions[22] = "hang", "die"
     pool = RewardPool([f"{plugin}:slow"], num_workers=2, timeout_s=1.0)
     try:
@@ -86,13 +86,13 @@ def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tm
         pool.close()
     assert results[7] == (TIMEOUT, None)
     assert results[22][0] == "error" and "exit code 3" in results[22][1]
-    assert [r for i, r in enumerate(results) if i not in (7, 22)] == [(OK, 0.25)] * 38
+    assert [r for i, r in enumerate(results) if i not in (7, 22)] == [(OK, 0.21)] * 38
 
 
 SLOW_IMPORT = '''
 import time
 
-time.sleep(1.5)  # the reward's imports: each worker's start-up
+time.sleep(1.0)  # the reward's imports: each worker's start-up
 
 
 def slow(prompt, completion):
@@ -103,13 +103,13 @@ def slow(prompt, completion):
 
 
 def test_a_workers_start_up_is_not_its_calls_time(tmp_path):
-    """A call's timeout runs from when its worker is ready: a reward that takes 1.5 s to import
-    answers under a 1 s timeout (room for a loaded machine's round trip), the first call and the one after a hang (which a new worker,
+    """A call's timeout runs from when its worker is ready: a reward that takes 1 s to import
+    answers under a 0.8 s timeout (room for a loaded machine's round trip), the first call and the one after a hang (which a new worker,
     starting again, answers). Timed from the call's sending, both came back timeouts (under the
     suite's load a 1 s reward.timeout_s ran out on a replacement's start-up)."""
     plugin = tmp_path / "plugin.py"
     plugin.write_text(SLOW_IMPORT)
-    pool = RewardPool([f"{plugin}:slow"], num_workers=1, timeout_s=1.0)
+    pool = RewardPool([f"{plugin}:slow"], num_workers=1, timeout_s=0.8)
     try:
         results = pool.run([(0, {"prompt": "p", "completion": c}) for c in ("a", "hang", "b")])
     finally:

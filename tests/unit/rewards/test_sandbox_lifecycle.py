@@ -70,12 +70,12 @@ def test_a_program_that_answered_does_not_hold_the_call(form, programs):
 
 def test_the_timeout_runs_from_the_runners_start_not_the_set_up():
     # A stand-in whose set-up (before its first byte, the runner's start mark) outlasts the
-    # 1 s timeout, then answers at once: the answer counts. Under the suite's load the real
+    # 0.5 s timeout, then answers at once: the answer counts. Under the suite's load the real
     # set-up once took the whole 5 s, and a right program scored 0.
-    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 1.2; echo; echo answer"],
+    proc = subprocess.Popen(["/bin/sh", "-c", "sleep 0.6; echo; echo answer"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        out, err, late, started = sandbox._exchange(proc, b"", run_s=1.0)
+        out, err, late, started = sandbox._exchange(proc, b"", run_s=0.5)
     finally:
         proc.kill()
         proc.wait()
@@ -114,7 +114,8 @@ def test_timed_out_calls_leave_no_zombies(form, run_python):
 def test_pid_1_keeps_its_own_deadline_when_nobody_kills_it(form, programs, leftovers,
                                                            monkeypatch):
     # As if the parent had died before it could kill anything: nobody reads, nobody kills.
-    monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 1.0)  # pid 1 waits set-up + timeout + grace
+    # pid 1 waits its set-up allowance + the timeout + its grace: 0 + 1 + 2 s here
+    monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 0.0)
     code = programs.hostile(DETACH) + "import time\ntime.sleep(60)\n"
     with call_cgroup(Limits(timeout_s=1.0)) as cgroup:
         proc, request = start_isolated(code, JOB, Limits(timeout_s=1.0), cgroup=cgroup)
@@ -130,7 +131,7 @@ def watch_pid_1_alone(proc, request, leftovers):
         while len(leftovers.pids_with(MARKERS)) < 4 and time.monotonic() < end:
             time.sleep(0.02)
         assert len(leftovers.pids_with(MARKERS)) == 4, "the sleepers never started"
-        proc.wait(timeout=15)  # pid 1 gives up at 1 + 1 s + its grace, taking the namespace along
+        proc.wait(timeout=15)  # pid 1 gives up at 1 s + its grace, taking the namespace along
         assert leftovers(MARKERS) == []
     finally:
         proc.kill()

@@ -24,16 +24,18 @@ def test_loaders_take_the_lock_one_at_a_time_and_a_dead_holder_releases_it(tmp_p
     build = tmp_path / "op"
     hold = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); "
             "from pathlib import Path; from update.distributed import jit_build_lock\n"
+            "print('asking', flush=True)\n"
             "with jit_build_lock(Path(sys.argv[2])):\n"
             " print('held', flush=True); time.sleep(60)")
     root = str(Path(__file__).parents[3])
     holder = subprocess.Popen([sys.executable, "-c", hold, root, str(build)],
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert [holder.stdout.readline().strip() for _ in range(2)] == ["asking", "held"]
         waiter = subprocess.Popen([sys.executable, "-c", hold, root, str(build)],
                                   stdout=subprocess.PIPE, text=True)
-        assert not select.select([waiter.stdout], [], [], 3.0)[0]  # waits for the holder
+        assert waiter.stdout.readline().strip() == "asking"  # its imports done: timed from here
+        assert not select.select([waiter.stdout], [], [], 1.0)[0]  # waits for the holder
         holder.kill()  # as kill -9 would: the lock goes with it
         assert select.select([waiter.stdout], [], [], 30.0)[0]
         assert waiter.stdout.readline().strip() == "held"
