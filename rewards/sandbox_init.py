@@ -9,10 +9,10 @@ it exits the kernel kills every process left in the namespace; it exits as soon 
 does, or at its own deadline, whichever comes first.
 
 It reads one JSON request line on stdin: python (the interpreter, bound read-only), binds (extra
-read-only directories: the interpreter's prefix when it is not under /usr), nested (whether
-this is the `--user` form), cgroups (cgroup.procs files of the call's cgroups, to join first),
-runner (the runner's source), code, job (cases.json for the runner, without expected values),
-limits (timeout_s, setup_s, disk_mb) and rlimits (the runner's, see rewards.sandbox_limits). It writes
+read-only directories: the interpreter's prefix when it is not under /usr), nested (whether this is
+the `--user` form), cgroups (cgroup.procs files of the call's cgroups, to join first), runner (the
+runner's source), code, job (cases.json for the runner, without expected values), limits
+(timeout_s, setup_s, disk_mb) and rlimits (the runner's, see rewards.sandbox_limits). It writes
 nothing on stdout (that is the runner's answers) and, when it cannot set up, one line starting
 `sandbox-init:` on stderr. Standard library only: it runs on the sandbox's interpreter, not the
 project's. rewards.sandbox also imports rlimit_problem and set_limits from here (the opt-out).

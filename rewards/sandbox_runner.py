@@ -7,7 +7,8 @@ or {"stdin": text}]}. Expected values are never here. The program runs in this s
 function cases and may rewrite anything in it, this code included: what comes out is only ever
 taken as the program's answers. Lines: {"i": k, "value": v}, {"i": k, "stdout": text} or
 {"i": k, "error": text}, after one empty line, written at once: the start that the parent's
-timeout runs from (the sandbox's set-up is not the program's time). Standard library only (it runs on the sandbox's interpreter).
+timeout runs from (the sandbox's set-up is not the program's time). Standard library only (it
+runs on the sandbox's interpreter).
 """
 import json
 import os

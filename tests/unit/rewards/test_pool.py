@@ -73,8 +73,9 @@ def slow(prompt, completion):
 
 def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tmp_path):
     """40 calls on 2 workers go in chunks of 5: a chunk of 0.21 s calls outlasts the 1 s timeout
-    as a whole (sleeps never end early), yet no call times out; a hang and a crash in the middle of a chunk cost only
-    their own call, and the rest of that chunk is answered by a new worker."""
+    as a whole (sleeps never end early), yet no call times out; a hang and a crash in the middle
+    of a chunk cost only their own call, and the rest of that chunk is answered by a new
+    worker."""
     plugin = tmp_path / "plugin.py"
     plugin.write_text(CHUNKED)
     completions = ["0.21"] * 40
@@ -104,9 +105,10 @@ def slow(prompt, completion):
 
 def test_a_workers_start_up_is_not_its_calls_time(tmp_path):
     """A call's timeout runs from when its worker is ready: a reward that takes 1 s to import
-    answers under a 0.8 s timeout (room for a loaded machine's round trip), the first call and the one after a hang (which a new worker,
-    starting again, answers). Timed from the call's sending, both came back timeouts (under the
-    suite's load a 1 s reward.timeout_s ran out on a replacement's start-up)."""
+    answers under a 0.8 s timeout (room for a loaded machine's round trip), the first call and the
+    one after a hang (which a new worker, starting again, answers). Timed from the call's sending,
+    both came back timeouts (under the suite's load a 1 s reward.timeout_s ran out on a
+    replacement's start-up)."""
     plugin = tmp_path / "plugin.py"
     plugin.write_text(SLOW_IMPORT)
     pool = RewardPool([f"{plugin}:slow"], num_workers=1, timeout_s=0.8)

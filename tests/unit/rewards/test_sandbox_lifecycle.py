@@ -1,9 +1,8 @@
 """How a code_exec sandbox ends: nothing of it outlives the call (detached processes, zombies),
-the caller's deadline holds and runs from the runner's start, pid 1 keeps its own, and a program that has answered does not
-hold the call open."""
-import time
-
+the caller's deadline holds and runs from the runner's start, pid 1 keeps its own, and a
+program that has answered does not hold the call open."""
 import subprocess
+import time
 
 import pytest
 
