@@ -56,6 +56,8 @@ CAP_SYS_ADMIN = 21
 # ~0.1 s; this bounds it on a machine so loaded that interpreters start in seconds.
 SETUP_TIMEOUT_S = 60.0
 START_MARK = b"\n"  # the runner's first write, before it reads the program
+OVERLOAD_FIX = ("give the machine fewer processes at once (reward.num_workers, other jobs); "
+                "isolation itself is not at fault")
 # Root in the --user form runs the program as the host's root user (inside its own user
 # namespace), and the kernel never applies RLIMIT_NPROC to that user: only a cgroup bounds it.
 ROOT_WITHOUT_CGROUP = ("as root without CAP_SYS_ADMIN the program runs as the host's root user "
@@ -197,8 +199,8 @@ def _exchange(proc: subprocess.Popen, request: bytes,
 def _not_started(late: bool) -> None:
     if late:
         raise SandboxError(f"the sandbox's runner had not started after SETUP_TIMEOUT_S="
-                           f"{SETUP_TIMEOUT_S:g} s (set-up takes ~0.1 s on an idle machine); "
-                           f"this machine is overloaded: run fewer reward workers")
+                           f"{SETUP_TIMEOUT_S:g} s (set-up takes ~0.1 s on an idle machine): "
+                           f"{OVERLOAD_FIX}")
 
 
 def _children(pid: int) -> list[int]:
@@ -365,6 +367,8 @@ def hint(problem: str, nested: bool) -> str:
     """The usual cause of a failed probe, from the system's words, and its fix."""
     if "not found on PATH" in problem:
         return "install util-linux"
+    if "runner had not started" in problem:  # the namespaces work; the machine is overloaded
+        return OVERLOAD_FIX
     if "No space left on device" in problem and ("unshare" in problem or "map" in problem):
         return "user namespaces are capped at 0: sysctl -w user.max_user_namespaces=10000"
     if nested and ("unshare failed" in problem or "uid_map" in problem

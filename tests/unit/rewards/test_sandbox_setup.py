@@ -36,6 +36,8 @@ def test_a_sandbox_that_cannot_start_says_what_is_missing(monkeypatch, programs)
      "a seccomp profile blocks unshare"),
     ("the sandbox did not start: sandbox-init: mount /tmp/usr: Invalid argument", True,
      "mounts locked there"),
+    ("the sandbox's runner had not started after SETUP_TIMEOUT_S=60 s", True,
+     "fewer processes at once (reward.num_workers"),
 ])
 def test_refusals_name_the_usual_fix(problem, nested, fix):
     assert fix in hint(problem, nested)
