@@ -24,9 +24,10 @@ REAL_MODEL = {"smollm2_chain_sum.yaml", "smollm2_tools.yaml"}
 # (recipe_checks.check_step_metrics): quickstart_lora's resumed run (test_lora.py), ppo's
 # killed and resumed runs (test_resume.py), quickstart's CLI run (test_rl_train.py),
 # quickstart_one_step's hurt runs (test_async_faults.py; fully_async's too, but its final
-# evaluation is checked here)
+# evaluation is checked here), quickstart_disaggregated's run beside the colocated one, with
+# its held-out evaluations (test_disaggregated_run.py)
 RUN_ELSEWHERE = {"quickstart_lora.yaml", "ppo.yaml", "quickstart.yaml",
-                 "quickstart_one_step.yaml"}
+                 "quickstart_one_step.yaml", "quickstart_disaggregated.yaml"}
 RECIPES = [r for r in RECIPES if r not in REAL_MODEL | RUN_ELSEWHERE]
 # A multi-turn recipe's held-out evaluations (at step 0 and after the last) on this many
 # problems: the recipes hold out 200, every one a few turns (10-14 s of their 2-step runs here)

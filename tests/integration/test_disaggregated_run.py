@@ -1,6 +1,8 @@
 """The same short GRPO run, colocated and disaggregated (same seed): the rollouts, metrics and
 final model agree bit for bit (the placements move the weights differently, the trainers compute
-alike), and every sample records the policy version that generated it."""
+alike), and every sample records the policy version that generated it. The two runs are the
+recipes recipes/quickstart.yaml and recipes/quickstart_disaggregated.yaml as shipped (with the
+tests' small sizes), each with the step checks every recipe's run gets (test_algorithms.py)."""
 import json
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import pytest
 
 from rl.config import load_config
 from rl.run.controller import Controller
+from tests.integration.recipe_checks import check_step_metrics
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m "not slow"
 
@@ -15,7 +18,9 @@ ROOT = Path(__file__).parents[2]
 OVERRIDES = ["trainer.total_steps=3", "rollout.prompts_per_step=8", "rollout.n=4",
              "trainer.micro_batch_size=8", "warmup.sft_steps=30", "warmup.batch_size=32",
              "run.log_samples=-1", "ray.num_cpus_per_worker=0.5",
-             "ray.num_cpus_per_rollout_worker=0.5", "ray.num_rollout_workers=2"]
+             "ray.num_cpus_per_rollout_worker=0.5"]
+# the disaggregated recipe is the quickstart with its placement (2 trainer ranks, 2 engines)
+RECIPES = {"colocated": "quickstart.yaml", "disaggregated": "quickstart_disaggregated.yaml"}
 # what must agree; time/* and throughput differ by design
 COMPARED = ["reward/mean", "reward/std", "loss/policy", "kl/mean", "response/length_mean",
             "advantages/abs_mean", "grad/norm", "mismatch/kl"]
@@ -25,9 +30,10 @@ COMPARED = ["reward/mean", "reward/std", "loss/policy", "kl/mean", "response/len
 def runs(placements, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
-    for placement in ("colocated", "disaggregated"):
-        cfg = load_config(str(ROOT / "recipes" / "quickstart.yaml"), OVERRIDES + [
-            f"placement={placement}", f"run.output_dir={tmp}", f"run.name={placement}"])
+    for placement, recipe in RECIPES.items():
+        cfg = load_config(str(ROOT / "recipes" / recipe), OVERRIDES + [
+            f"run.output_dir={tmp}", f"run.name={placement}"])
+        assert cfg.placement == placement
         out[placement] = Controller(cfg, placements=placements).run()
     return out
 
@@ -47,6 +53,8 @@ def test_metrics_match_the_colocated_run(runs):
         assert {k: a[k] for k in evals} == {k: b[k] for k in evals}
     colocated, disaggregated = colocated[1:], disaggregated[1:]
     assert len(colocated) == len(disaggregated) == 3
+    for placement, steps in (("colocated", colocated), ("disaggregated", disaggregated)):
+        check_step_metrics(load_config(str(runs[placement] / "config.yaml")), steps)
     for a, b in zip(colocated, disaggregated):
         for key in COMPARED:  # bit for bit: the same trainer kernels on the same batches
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
