@@ -123,7 +123,9 @@ class RewardPool:
                     w.assigned.popleft()  # cid: the worker answers in order
                     results[cid] = (status, value)
                     self._start_clock(w)
-                elif time.monotonic() >= w.deadline:
+                elif time.monotonic() >= w.deadline and not w.conn.poll():
+                    # poll: an answer that came while an earlier worker of this pass was being
+                    # replaced (kill, join, spawn) is past `ready`, not late
                     results[w.assigned.popleft()] = (TIMEOUT, None)
                     self._requeue(w, pending)
         return results

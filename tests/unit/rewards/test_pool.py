@@ -2,8 +2,9 @@
 go with it, its detached processes included, and the call's cgroups must not pile up."""
 import os
 import threading
+import time
 
-from rewards.pool import OK, TIMEOUT, RewardPool
+from rewards.pool import ERROR, OK, TIMEOUT, RewardPool
 from rewards.sandbox_limits import PREFIX, cgroup_bases
 
 BLOCKER = """```python
@@ -28,7 +29,9 @@ def cgroups_of(pid: int) -> list[str]:
 def test_a_pool_timeout_leaves_nothing_running_or_behind(namespaces, leftovers):
     tests = [{"fn": "solve", "args": [1], "expect": 1}]
     warm = (0, {"prompt": "p", "completion": "def solve(x):\n    return x\n", "tests": tests})
-    pool = RewardPool(["code_exec"], num_workers=1, timeout_s=4.0)
+    # 60 s for the warm calls (a new worker's first one probes isolation in a sandbox of its
+    # own, then runs one: seconds on a loaded machine), 4 s for the blocker, which waits it out
+    pool = RewardPool(["code_exec"], num_workers=1, timeout_s=60.0)
     try:
         assert pool.run([warm]) == [(OK, 1.0)]  # the worker is up and has probed isolation
         killed = pool.workers[0].process.pid
@@ -42,8 +45,10 @@ def test_a_pool_timeout_leaves_nothing_running_or_behind(namespaces, leftovers):
         watcher = threading.Thread(target=watch)
         watcher.start()
         # the sandbox's own limit (30 s) is far past the pool's (4 s): the pool's kill acts
+        pool.timeout_s = 4.0
         result = pool.run([(0, {"prompt": "p", "completion": BLOCKER, "tests": tests,
                                 "timeout_s": 30.0})])
+        pool.timeout_s = 60.0
         stop.set()
         watcher.join()
         assert result == [(TIMEOUT, None)]
@@ -88,6 +93,31 @@ def test_chunked_calls_keep_a_timeout_per_call_and_the_calls_after_a_dead_one(tm
     assert results[7] == (TIMEOUT, None)
     assert results[22][0] == "error" and "exit code 3" in results[22][1]
     assert [r for i, r in enumerate(results) if i not in (7, 22)] == [(OK, 0.21)] * 38
+
+
+def test_an_answer_that_came_during_another_workers_replacement_is_not_a_timeout(tmp_path,
+                                                                                 monkeypatch):
+    """One pass over the workers: the first one's call killed it, and replacing it (kill, join,
+    spawn) took long enough, on a loaded machine, for the second's answer to arrive and its
+    deadline to pass. The answer is there: it is the call's result, not a timeout."""
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(CHUNKED)
+    pool = RewardPool([f"{plugin}:slow"], num_workers=2, timeout_s=1.0)
+    replace = pool._replace
+
+    def slow_replace(w):  # the replacement outlasts the other worker's answer and deadline
+        other = next(x for x in pool.workers if x is not w)
+        assert other.conn.poll(10), "the other worker never answered"
+        time.sleep(max(0.0, other.deadline - time.monotonic()) + 0.05)
+        replace(w)
+    try:
+        assert pool.run([(0, {"prompt": "p", "completion": "0"})] * 2) == [(OK, 0.0)] * 2
+        monkeypatch.setattr(pool, "_replace", slow_replace)
+        results = pool.run([(0, {"prompt": "p", "completion": c}) for c in ("die", "0.3")])
+    finally:
+        pool.close()
+    assert results[0][0] == ERROR and "exit code 3" in results[0][1]
+    assert results[1] == (OK, 0.3)
 
 
 SLOW_IMPORT = '''
