@@ -43,7 +43,7 @@ DEVICES = ("null", "zero", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
          "stderr": "/proc/self/fd/2"}
 MIB = 1 << 20
-GRACE_S = 2.0  # pid 1's own deadline: its set-up allowance, the timeout, then this much
+GRACE_S = 2.0  # pid 1's own deadline, from the runner's start: set-up allowance, timeout, this
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -277,12 +277,14 @@ def main():
     _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "set non-dumpable")
     try:
         req = json.loads(sys.stdin.buffer.readline())
-        # Our own deadline too, for when the parent died before it could kill us; later than
-        # the parent's (set-up allowance, then the program's timeout), which normally acts first.
-        limits = req["limits"]
-        deadline = time.monotonic() + limits["setup_s"] + limits["timeout_s"] + GRACE_S
         join_call(req)
         runner = start_runner(req, build_root(req))
+        # Our own deadline too, for when the parent died before it could kill us: from the
+        # runner's start (our own set-up, however slow on a loaded machine, is not the program's
+        # time), so later than the parent's (its set-up allowance counts from before our
+        # set-up, then the program's timeout), which normally acts first.
+        limits = req["limits"]
+        deadline = time.monotonic() + limits["setup_s"] + limits["timeout_s"] + GRACE_S
     except Exception as e:
         sys.stderr.write(f"sandbox-init: {e}\n")
         sys.stderr.flush()

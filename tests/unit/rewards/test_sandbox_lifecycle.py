@@ -115,7 +115,8 @@ def test_timed_out_calls_leave_no_zombies(form, run_python):
 def test_pid_1_keeps_its_own_deadline_when_nobody_kills_it(form, programs, leftovers,
                                                            monkeypatch):
     # As if the parent had died before it could kill anything: nobody reads, nobody kills.
-    # pid 1 waits its set-up allowance + the timeout + its grace: 0 + 1 + 2 s here
+    # pid 1 waits, from the runner's start, its set-up allowance + the timeout + its grace:
+    # 0 + 1 + 2 s here
     monkeypatch.setattr(sandbox, "SETUP_TIMEOUT_S", 0.0)
     code = programs.hostile(DETACH) + "import time\ntime.sleep(60)\n"
     with call_cgroup(Limits(timeout_s=1.0)) as cgroup:
