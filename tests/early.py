@@ -115,8 +115,10 @@ class EarlyRun:
         self.proc.wait()
         LANE.leave()
 
-    def result(self, timeout: float = 900) -> subprocess.CompletedProcess:
-        """Waits for the run (starting it if need be); its directory is `self.dir`."""
+    def result(self, timeout: float = 1800) -> subprocess.CompletedProcess:
+        """Waits for the run (starting it if need be); its directory is `self.dir`. The
+        timeout only ever stops a hung run: a run here takes 1-3 min, a CI machine ran 4-8x
+        slower, and the lane may start a run only when its test asks."""
         self.start()
         if self.proc is None or self.proc.poll() is None:
             LANE.widen()  # this test waits: the lane may use the core it leaves
@@ -129,7 +131,7 @@ class EarlyRun:
         return subprocess.CompletedProcess(self.proc.args, code, (self.dir / "stdout").read_text(),
                                            (self.dir / "stderr").read_text())
 
-    def passed(self, timeout: float = 900) -> subprocess.CompletedProcess:
+    def passed(self, timeout: float = 1800) -> subprocess.CompletedProcess:
         """`result`, asserting the run exited 0 (the tails of its output if not)."""
         out = self.result(timeout)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -110,7 +110,7 @@ class TwoNodes:
                            f"http://{HEAD_IP}:{DASHBOARD_PORT}{path}")
         return json.loads(out.stdout) if out.returncode == 0 and out.stdout else None
 
-    def wait_for_nodes(self, count: int, timeout: float = 120) -> None:
+    def wait_for_nodes(self, count: int, timeout: float = 300) -> None:
         deadline = time.time() + timeout
         alive = []
         while time.time() < deadline:
@@ -133,7 +133,7 @@ class TwoNodes:
         job = self.api(f"/api/jobs/{job_id}")
         return job["status"] if job else "UNKNOWN (the dashboard did not answer)"
 
-    def wait_job(self, job_id: str, timeout: float = 300) -> str:
+    def wait_job(self, job_id: str, timeout: float = 900) -> str:
         deadline = time.time() + timeout
         while time.time() < deadline:
             status = self.job_status(job_id)
@@ -218,10 +218,11 @@ def stopped_job(nodes: TwoNodes, out_dir: Path) -> dict:
     # the other job first: nothing of it may be left when this one's processes are counted
     assert nodes.wait_job("rl-two-nodes") != "TIMEOUT"
     metrics = out_dir / "cluster" / "metrics.jsonl"
-    deadline = time.time() + 300
+    deadline = time.time() + 900  # bounds below only stop a hung run: CI machines can be slow
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert time.time() < deadline and nodes.job_status("rl-stopped") in ("RUNNING", "PENDING"), \
-            nodes.logs("rl-stopped")[-4000:]
+        status = nodes.job_status("rl-stopped")  # UNKNOWN: a loaded dashboard did not answer
+        assert time.time() < deadline and status.split()[0] in ("RUNNING", "PENDING", "UNKNOWN"), \
+            (status, nodes.logs("rl-stopped")[-4000:])
         time.sleep(2)
     seen = {"before": run_processes(nodes)}
     out = nodes.job("stop", "rl-stopped", timeout=120)

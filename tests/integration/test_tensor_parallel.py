@@ -107,7 +107,7 @@ ENGINES = early("tensor_parallel", __file__, lambda tmp: [
 
 @pytest.fixture(scope="module")
 def observed():
-    ENGINES.passed(timeout=600)
+    ENGINES.passed()
     return json.loads((ENGINES.dir / "out.json").read_text())
 
 
@@ -259,7 +259,7 @@ RUN = early("tensor_parallel_run", __file__, lambda tmp: [
 
 @pytest.fixture(scope="module")
 def runs():
-    RUN.passed(timeout=600)
+    RUN.passed()
     return json.loads((RUN.dir / "run.json").read_text())
 
 

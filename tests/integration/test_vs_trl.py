@@ -33,7 +33,7 @@ SMOKE = early("vs_trl_smoke", __file__, smoke_command,
 
 @pytest.mark.integration
 def test_smoke_preset_runs_every_row():
-    out = SMOKE.passed(timeout=600)
+    out = SMOKE.passed()
     stdout = out.stdout
     names = {"rl-train", "rl-train/zero3", "trl", "raw", "rl-train+ngram", "rl-train/lora",
              "rl-train/lora-adapters", "trl/lora"}

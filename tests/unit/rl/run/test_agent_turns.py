@@ -32,7 +32,7 @@ def server():
     s.stop()
 
 
-def turns_for(program, tokenizer, server, timeout_s=5.0, max_turns=4):
+def turns_for(program, tokenizer, server, timeout_s=30.0, max_turns=4):
     env = types.SimpleNamespace(program=program, parse_tool_calls=True)
     return AgentTurns(env, tokenizer, server, max_turns, 16, timeout_s, SAMPLING)
 
@@ -137,7 +137,9 @@ def test_a_session_that_has_ended_refuses_calls(tokenizer, server):
     nxt = turns.step(state, ids(tokenizer, "a"), "stop", None)
     assert nxt.done and not nxt.error
     turns.finish(state)
-    time.sleep(0.2)
+    end = time.monotonic() + 30  # the refusal crosses the server's loop and the program's thread
+    while "refused" not in kept and time.monotonic() < end:
+        time.sleep(0.01)
     assert "has ended" in kept["refused"]  # the pending call
     later = openai.OpenAI(base_url=state.channel.url, api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="has ended"):

@@ -86,15 +86,18 @@ class AsyncEnv(Env):
         return Step(observation=[{"role": "user", "content": f"you said {turn}"}])
 
 
-@pytest.mark.parametrize("how,error", [
-    ("raise", "env.step: RuntimeError: the env broke"),
-    ("hang", "env.step: TimeoutError: no answer within 0.2 s"),
-    ("garbage", "env.step returned dict, not an envs.api.Step"),
-    ("bad_messages", "env.step's observation is not a list of {role, content} messages"),
-    ("empty", "env.step returned neither an observation nor done"),
+# only "hang" waits for its timeout; the others answer at once and get room for a loaded machine
+@pytest.mark.parametrize("how,timeout_s,error", [
+    ("raise", 30, "env.step: RuntimeError: the env broke"),
+    ("hang", 0.2, "env.step: TimeoutError: no answer within 0.2 s"),
+    ("garbage", 30, "env.step returned dict, not an envs.api.Step"),
+    ("bad_messages", 30, "env.step's observation is not a list of {role, content} messages"),
+    ("empty", 30, "env.step returned neither an observation nor done"),
 ])
-def test_a_failing_environment_ends_its_trajectory_with_the_error(tokenizer, how, error):
-    turns = EnvTurns(functools.partial(Failing, how), tokenizer, max_turns=4, step_timeout_s=0.2)
+def test_a_failing_environment_ends_its_trajectory_with_the_error(tokenizer, how, timeout_s,
+                                                                  error):
+    turns = EnvTurns(functools.partial(Failing, how), tokenizer, max_turns=4,
+                     step_timeout_s=timeout_s)
     turns.remember("g", {"prompt": "hi"})
     result = turns.step(turns.start("g", 0), turn(tokenizer, "hello"), "stop")
     assert result.done and result.error == error and result.info["env_errors"] == 1
