@@ -253,8 +253,11 @@ class RolloutRole(OnProcess):
                 "times": stream.take_times()}
 
     def stream_status(self) -> dict:
-        """{"steps": scheduler steps run, "paused": bool}, taking nothing (for tests)."""
-        return {"steps": self.stream.steps, "paused": self.stream.paused}
+        """{"steps": scheduler steps run, "paused": bool, "idle": no work and not paused},
+        taking nothing (for tests)."""
+        stream = self.stream
+        return {"steps": stream.steps, "paused": stream.paused,
+                "idle": not stream.paused and not stream._has_work()}
 
     def resume_stream(self) -> None:
         """After a verified sync: generation goes on under the engine's new version."""

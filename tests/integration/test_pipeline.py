@@ -81,16 +81,23 @@ def quiesce(c: Controller) -> None:
 
 
 def test_a_slow_trainer_never_trains_beyond_max_staleness(async_run, monkeypatch):
-    """The trainer sleeps 2.5 s per update on top of its work, longer than the engine needs
-    for a batch even on a slow machine: the producer runs ahead up to the bound (staleness 1
-    from step 2 on) and then waits: nothing is generated that would have to be dropped."""
+    """Each update waits, on top of its work, until the engine has run out of work (the batch
+    the bound allows is done, however slow the machine), then 0.5 s more: the producer runs
+    ahead up to the bound (staleness 1 from step 2 on) and then waits: nothing is generated
+    that would have to be dropped."""
+    import ray
+
     c = async_run
     update = c.update
     trained = []
 
     def slow_update(samples, step):
         trained.append((c.policy_version, [s.policy_version for s in samples]))
-        time.sleep(2.5)
+        deadline = time.time() + 120  # an engine that never idles breaks the bound: asserted
+        while not ray.get(c.engines[0].stream_status.remote())["idle"] and \
+                time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)
         return update(samples, step)
 
     monkeypatch.setattr(c, "update", slow_update)
@@ -101,13 +108,15 @@ def test_a_slow_trainer_never_trains_beyond_max_staleness(async_run, monkeypatch
     assert all(m["pipeline/dropped_stale"] == 0.0 for m in metrics)
     # waiting, not over-producing: at most one batch ahead while the trainer is busy
     assert c.producer.unconsumed <= c.cfg.rollout.prompts_per_step
-    # the engine waited for the bound (per step about 2.5 s less its time for a batch)
+    # the engine waited for the bound (at least the 0.5 s of each of the 3 updates before)
     assert sum(m["time/rollout_wait"] for m in metrics[1:]) > 1.0, metrics
 
 
 def generate_then_train(c: Controller, key, tokens_in: int):
     """The engine (ours alone after `quiesce`) starts a long group, which gets ~tokens_in tokens
-    under version v; then one supervised step moves the trainer's weights past v. Returns
+    under version v and is paused there, as the next sync pauses it (cutting the sequences in
+    flight; paused now, not when the sync comes, so that a slow machine cannot finish them
+    first); then one supervised step moves the trainer's weights past v. Returns
     (engine, prompt, v)."""
     import ray
 
@@ -116,6 +125,7 @@ def generate_then_train(c: Controller, key, tokens_in: int):
     start = ray.get(engine.stream_status.remote())["steps"]
     ray.get(engine.submit.remote([key], [prompt], [12345]))
     wait_for_steps(engine, start + tokens_in)
+    ray.get(engine.pause_for_sync.remote())
     sft_step(c, prompt)
     return engine, prompt, c.policy_version
 
