@@ -236,6 +236,11 @@ class GenerationLoop:
         if self.error is not None:
             raise RuntimeError(f"the generation loop failed: {self.error!r}") from self.error
 
+    @property
+    def idle(self) -> bool:
+        """Not paused, and nothing to run: waiting for a submit."""
+        return not self.paused and not self._has_work()
+
     # ------------------------------------------------------------------ the loop
     def _has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting) and not self.hold

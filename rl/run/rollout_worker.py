@@ -256,8 +256,7 @@ class RolloutRole(OnProcess):
         """{"steps": scheduler steps run, "paused": bool, "idle": no work and not paused},
         taking nothing (for tests)."""
         stream = self.stream
-        return {"steps": stream.steps, "paused": stream.paused,
-                "idle": not stream.paused and not stream._has_work()}
+        return {"steps": stream.steps, "paused": stream.paused, "idle": stream.idle}
 
     def resume_stream(self) -> None:
         """After a verified sync: generation goes on under the engine's new version."""

@@ -67,16 +67,18 @@ def engine():
 def test_an_interrupted_sequence_goes_on_under_the_new_version(engine):
     loop = GenerationLoop(engine, version=0, n=2, max_new_tokens=20)
     try:
+        assert loop.idle  # nothing submitted yet
         loop.submit([("g", [1, 2, 3], 10, None)])
         wait_steps(loop, 5)
         loop.pause(interrupt=True)
-        assert engine.active == {}  # nothing left in the engine while paused
+        assert engine.active == {} and not loop.idle  # nothing in the engine, but paused
         cut = loop.steps
         time.sleep(0.05)
         assert loop.steps == cut  # a paused loop does not step
         engine.weights = 1
         loop.resume(1)
         (group,) = collect_all(loop, 1)
+        assert loop.idle  # all done: waiting for a submit
     finally:
         loop.stop()
     for c in group["completions"]:
