@@ -2,6 +2,7 @@
 quickstart's placement (2 colocated Ray workers, each a DeepSpeed ZeRO-3 rank and a vLLM
 engine, on a tiny local model) one generate, one update and one weight sync verified by its
 probe, with the policy versions the engines then hold."""
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,9 @@ def test_generate_update_then_a_verified_sync(ray_session, placements, tmp_path)
     placement = placements.start(cfg)
     try:
         workers = placement.trainers
+        # at the driver's priority, not Ray's nice 15 (rl.run.cluster.init_local)
+        assert ray.get([w.__ray_call__.remote(lambda self: os.nice(0)) for w in workers]) == [
+            os.nice(0)] * 2
         ray.get([w.init_trainer.remote(path, cfg.trainer, cfg.algorithm.loss, 1, 1.0)
                  for w in workers])
         placement.init_rollout(path, 0)

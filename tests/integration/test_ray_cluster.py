@@ -60,6 +60,8 @@ class TwoNodes:
         token.write_text(secrets.token_hex(16))
         self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                         RL_CACHE_DIR=str(tmp / "cache"), RAY_USAGE_STATS_ENABLED="0",
+                        # as docs/ray-clusters.md says for machines shared with other work
+                        RAY_worker_niceness="0",
                         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
         for key in ("RAY_ADDRESS", "WANDB_API_KEY"):
             self.env.pop(key, None)

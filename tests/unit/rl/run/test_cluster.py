@@ -82,3 +82,19 @@ def test_a_local_instance_prestarts_no_idle_workers(monkeypatch):
     monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")  # the user's choice stays
     cluster.init_local(num_cpus=2)
     assert seen == ["0", "1"]
+
+
+def test_a_local_instances_workers_run_at_the_drivers_priority(monkeypatch):
+    """Ray's default nice 15 for workers left the run's actors a fraction of a loaded core
+    (the raylet reads RAY_worker_niceness from the environment it starts with); a user's value
+    stays. tests/integration/test_fast_step.py checks the actors' niceness on the real Ray."""
+    import ray
+
+    seen = []
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(
+        os.environ.get("RAY_worker_niceness")))
+    cluster.init_local(num_cpus=2)
+    monkeypatch.setenv("RAY_worker_niceness", "10")
+    cluster.init_local(num_cpus=2)
+    assert seen == ["0", "10"]
