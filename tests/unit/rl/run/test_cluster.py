@@ -68,33 +68,22 @@ def test_a_local_start_that_timed_out_is_killed_and_tried_again(monkeypatch):
     assert len(calls) == 1
 
 
-def test_a_local_instance_prestarts_no_idle_workers(monkeypatch):
-    """Its actors each start a worker of their own: the raylet is told not to prestart idle
-    ones for the first driver (it reads RAY_* from the environment it starts with)."""
+@pytest.mark.parametrize("key, default, users", [
+    # its actors each start a worker of their own: no idle workers prestarted for the driver
+    ("RAY_prestart_worker_first_driver", "0", "1"),
+    # not Ray's nice 15, which left the run's actors a fraction of a loaded core
+    # (tests/integration/test_fast_step.py checks the actors' niceness on the real Ray)
+    ("RAY_worker_niceness", "0", "10"),
+])
+def test_a_local_instances_raylet_gets_the_runs_defaults(monkeypatch, key, default, users):
+    """The raylet reads RAY_* from the environment it starts with; a user's value stays."""
     import ray
 
     seen = []
-    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(
-        os.environ.get("RAY_prestart_worker_first_driver")))
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(os.environ.get(key)))
     cluster.init_local(num_cpus=2)
-    assert seen == ["0"]
-    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")  # the user's choice stays
+    assert seen == [default]
+    monkeypatch.setenv(key, users)
     cluster.init_local(num_cpus=2)
-    assert seen == ["0", "1"]
-
-
-def test_a_local_instances_workers_run_at_the_drivers_priority(monkeypatch):
-    """Ray's default nice 15 for workers left the run's actors a fraction of a loaded core
-    (the raylet reads RAY_worker_niceness from the environment it starts with); a user's value
-    stays. tests/integration/test_fast_step.py checks the actors' niceness on the real Ray."""
-    import ray
-
-    seen = []
-    monkeypatch.delenv("RAY_worker_niceness", raising=False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(
-        os.environ.get("RAY_worker_niceness")))
-    cluster.init_local(num_cpus=2)
-    monkeypatch.setenv("RAY_worker_niceness", "10")
-    cluster.init_local(num_cpus=2)
-    assert seen == ["0", "10"]
+    assert seen == [default, users]
