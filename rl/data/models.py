@@ -205,9 +205,6 @@ def _model_config(p: Preset, vocab_size: int, tok):
 
 def build_tiny_model(preset: str, seed: int = 0, out_dir: str | Path | None = None) -> Path:
     """Build (or reuse) the preset's model + tokenizer directory; returns its path."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     from rl.data import tasks
 
     p = PRESETS[preset]
@@ -215,7 +212,10 @@ def build_tiny_model(preset: str, seed: int = 0, out_dir: str | Path | None = No
     key = hashlib.sha256(json.dumps([asdict(p), seed, CHAT_TEMPLATE, texts]).encode())
     out = Path(out_dir) if out_dir else cache_root() / "models" / f"{preset}-{key.hexdigest()[:12]}"
     if (out / "model.safetensors").exists():
-        return out
+        return out  # found before torch and transformers' model classes load (~2 s of CPU)
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = train_tokenizer(texts, p.vocab_size)

@@ -96,3 +96,23 @@ def test_a_preset_with_embedding_rows_builds_its_embedding_at_that_size(tmp_path
                                                         embedding_rows=1000))
     out = build_tiny_model("rows", out_dir=tmp_path / "m")
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 1000
+
+
+def test_a_cached_builtin_is_found_without_loading_torch_or_transformers(tmp_path, monkeypatch):
+    """Every run's driver and actors resolve model.path: a cached built-in must not pay the
+    ~2-3 s of CPU that importing torch and transformers' model classes costs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("RL_CACHE_DIR", str(tmp_path))
+    built = resolve_model_path("builtin:tiny-qwen2")  # built here, found by a new process
+    code = ("import sys; from rl.data.models import resolve_model_path; "
+            "print(resolve_model_path('builtin:tiny-qwen2')); "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[4],
+                         env={"RL_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found, loaded = run.stdout.splitlines()[-2:]
+    assert found == built and loaded == "[]", run.stdout
