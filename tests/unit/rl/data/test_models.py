@@ -99,8 +99,8 @@ def test_a_preset_with_embedding_rows_builds_its_embedding_at_that_size(tmp_path
 
 
 def test_a_cached_builtin_is_found_without_loading_torch_or_transformers(tmp_path, monkeypatch):
-    """Every run's driver and actors resolve model.path: a cached built-in must not pay the
-    ~2-3 s of CPU that importing torch and transformers' model classes costs."""
+    """Every run's driver (and the benchmarks) resolves model.path first: a cached built-in
+    must not pay the ~2-3 s of CPU that importing torch and transformers' model classes costs."""
     import subprocess
     import sys
     from pathlib import Path
