@@ -77,10 +77,40 @@ def patch_cpu_engine(linear_mode: str) -> None:
     wrapped for `linear_mode`, engine starts that survive llvmlite's proxy modules, vLLM's
     compiled helpers run eagerly, and one collection before each freeze of its heap."""
     install_cpu_linear_dispatch()
+    amx_within_onednns_cap()
     tolerate_proxy_modules()
     eager_helpers()
     one_pass_gc_freeze()
     set_cpu_linear_mode(linear_mode)
+
+
+# oneDNN's ISAs (ONEDNN_MAX_CPU_ISA's values) from the lowest, up to the first that has bf16
+# dot products; above it: AVX512_CORE_FP16, the AMX ones, AVX10_*, ALL
+ONEDNN_ISAS_TO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                       "AVX512_CORE_VNNI", "AVX512_CORE_BF16")
+
+
+def onednn_caps_bf16_brgemm() -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA, its old name) caps oneDNN below
+    AVX512_CORE_BF16, where torch's bf16 brgemm generates no kernel."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "")
+    return cap.upper() in ONEDNN_ISAS_TO_BF16[:-1]
+
+
+def amx_within_onednns_cap() -> None:
+    """vLLM takes its AMX kernels (bf16 attention, small linears) when
+    `torch.cpu._is_amx_tile_supported()` says the CPU has AMX; they call torch's bf16 brgemm,
+    which asks oneDNN, inside an OpenMP region. Under an ONEDNN_MAX_CPU_ISA below
+    AVX512_CORE_BF16 (scripts/numerics_matrix.sh's avx2 and default settings, to compute as
+    another CPU would) that brgemm refuses, and the refusal aborts the engine's process at its
+    first batched generate. So in an engine's process AMX counts only where oneDNN may run it:
+    vLLM then takes the kernels it takes on a CPU without AMX."""
+    if onednn_caps_bf16_brgemm() and not hasattr(torch.cpu._is_amx_tile_supported, "original"):
+        def no_amx() -> bool:
+            return False
+
+        no_amx.original = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = no_amx
 
 
 def one_pass_gc_freeze() -> None:

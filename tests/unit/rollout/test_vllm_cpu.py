@@ -132,3 +132,26 @@ def test_vllm_freezes_an_engines_heap_after_one_collection_not_three():
             gc.callbacks.remove(count)
             gc.unfreeze()
         assert passes == [2]
+
+
+@pytest.mark.parametrize("cap, capped", [("AVX2", True), ("sse41", True), ("AVX512_CORE", True),
+                                         ("AVX512_CORE_VNNI", True), ("AVX512_CORE_BF16", False),
+                                         ("AVX512_CORE_AMX", False), ("ALL", False), ("", False)])
+def test_vllm_sees_amx_only_where_onednns_isa_cap_lets_torchs_bf16_brgemm_run(monkeypatch, cap,
+                                                                              capped):
+    """Under ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 torch's bf16 brgemm generates no kernel,
+    and vLLM's AMX kernels (attention, small linears; chosen from
+    torch.cpu._is_amx_tile_supported) abort the engine's process calling it:
+    scripts/numerics_matrix.sh's avx2 setting on an AMX machine aborted three bf16 engine tests
+    so. patch_cpu_engine hides AMX from vLLM then, and only then."""
+    import torch
+
+    pytest.importorskip("vllm")
+    from rollout.vllm_cpu import amx_within_onednns_cap, onednn_caps_bf16_brgemm
+
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert onednn_caps_bf16_brgemm() == capped
+    amx_within_onednns_cap()
+    assert torch.cpu._is_amx_tile_supported() == (not capped)
