@@ -74,8 +74,9 @@ def prepare_cpu_process(linear_mode: str) -> None:
 
 def patch_cpu_engine(linear_mode: str) -> None:
     """In a process that runs a CPU engine (or a TP engine's rank): vLLM's linear dispatch
-    wrapped for `linear_mode`, engine starts that survive llvmlite's proxy modules, vLLM's
-    compiled helpers run eagerly, and one collection before each freeze of its heap."""
+    wrapped for `linear_mode`, AMX hidden from vLLM where oneDNN's ISA cap refuses its kernels,
+    engine starts that survive llvmlite's proxy modules, vLLM's compiled helpers run eagerly,
+    and one collection before each freeze of its heap."""
     install_cpu_linear_dispatch()
     amx_within_onednns_cap()
     tolerate_proxy_modules()
@@ -84,17 +85,19 @@ def patch_cpu_engine(linear_mode: str) -> None:
     set_cpu_linear_mode(linear_mode)
 
 
-# oneDNN's ISAs (ONEDNN_MAX_CPU_ISA's values) from the lowest, up to the first that has bf16
-# dot products; above it: AVX512_CORE_FP16, the AMX ones, AVX10_*, ALL
-ONEDNN_ISAS_TO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
-                       "AVX512_CORE_VNNI", "AVX512_CORE_BF16")
+# oneDNN's ISAs (ONEDNN_MAX_CPU_ISA's values) below AVX512_CORE_BF16, the first whose bf16
+# brgemm has a kernel (probed cap by cap on an AMX Xeon); above it: AVX512_CORE_FP16, the AMX
+# ones, AVX10_*, ALL. torch.ops.mkldnn._is_mkldnn_bf16_supported (rl.preflight.native_bf16)
+# cannot tell: it says yes from AVX512_CORE, where the brgemm still has none.
+ONEDNN_ISAS_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                          "AVX512_CORE_VNNI")
 
 
 def onednn_caps_bf16_brgemm() -> bool:
     """Whether ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA, its old name) caps oneDNN below
     AVX512_CORE_BF16, where torch's bf16 brgemm generates no kernel."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "")
-    return cap.upper() in ONEDNN_ISAS_TO_BF16[:-1]
+    return cap.upper() in ONEDNN_ISAS_BELOW_BF16
 
 
 def amx_within_onednns_cap() -> None:

@@ -146,7 +146,6 @@ def test_vllm_sees_amx_only_where_onednns_isa_cap_lets_torchs_bf16_brgemm_run(mo
     so. patch_cpu_engine hides AMX from vLLM then, and only then."""
     import torch
 
-    pytest.importorskip("vllm")
     from rollout.vllm_cpu import amx_within_onednns_cap, onednn_caps_bf16_brgemm
 
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
