@@ -30,13 +30,15 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids=None, past_key_values=None,
                 use_cache=False, logits_to_keep=0):
         """A causal LM's call and output: `.logits` [B, T, 1] the values of the last
-        logits_to_keep positions (0: all)."""
+        logits_to_keep positions (0: all), or of those it indexes (a tensor, as
+        update.forward.kept_positions passes)."""
         from transformers.modeling_outputs import CausalLMOutput
 
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, past_key_values=past_key_values,
                                use_cache=use_cache).last_hidden_state
-        return CausalLMOutput(logits=self.value_head(hidden[:, -logits_to_keep:].float()))
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutput(logits=self.value_head(hidden[:, kept].float()))
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.backbone.get_input_embeddings()

@@ -115,9 +115,22 @@ def response_parts(model, mb: dict) -> list[torch.Tensor]:
     if not is_shared(mb):
         out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
                     position_ids=mb["position_ids"].to(dev),
-                    logits_to_keep=mb["response_mask"].shape[1] + 1, use_cache=False)
+                    logits_to_keep=kept_positions(mb["input_ids"].shape[1],
+                                                  mb["response_mask"].shape[1] + 1, dev),
+                    use_cache=False)
         return [out.logits[:, :-1]]
     return _shared_prompt_logits(model, mb, dev)
+
+
+def kept_positions(length: int, keep: int, dev) -> torch.Tensor:
+    """logits_to_keep for the last `keep` of `length` positions, as indices rather than a count:
+    the model then gathers those hidden states into a contiguous [B, keep, H], and the head is
+    one matrix product whatever its weight. torch's linear folds the strided slice a count
+    makes into one product (a copy) when the weight needs a gradient, but sends it to a batched
+    product when it does not (ZeRO-3's gathered copy in the old-logprob pass, a frozen
+    reference), which may round otherwise (MKL's SSE4.2 code does): the old-logprob pass must
+    equal the training forward bit for bit."""
+    return torch.arange(length - keep, length, device=dev)
 
 
 def part_logprobs(parts: list[torch.Tensor], targets: torch.Tensor,

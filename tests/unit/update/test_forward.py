@@ -61,3 +61,48 @@ def test_part_logprobs_scores_each_piece_against_its_own_targets():
     targets = torch.randint(0, 9, (2, 5), generator=gen)
     whole = token_logprobs(logits, targets)
     assert torch.equal(part_logprobs([logits[:, :1], logits[:, 1:]], targets), whole)
+
+
+def _matrix_products(fn) -> list[tuple]:
+    """(op, output shape) of every matrix product `fn` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm"):
+                self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
+            return out
+
+    with Record() as record:
+        fn()
+    return record.ops
+
+
+def test_the_old_logprob_pass_and_the_training_forward_run_the_same_matrix_products():
+    """With weights that need no gradient (the old-logprob pass on ZeRO-3's gathered copy, a
+    frozen reference) torch's linear sent the head's strided slice of the hidden states to a
+    batched product (bmm) where the training forward folds it into one (mm): on MKL's SSE4.2
+    code the two rounded otherwise and the one-pass update no longer equalled the two-pass one
+    (update.forward.kept_positions)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rl.algo.batch import Sample, collate
+    from update.forward import response_parts
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         vocab_size=100, tie_word_embeddings=False))
+    mb = collate([Sample(i, 0, list(range(5, 9 + i)), list(range(20, 23 + i)), [], "stop", "")
+                  for i in range(3)], 0)
+    trained = _matrix_products(lambda: response_parts(model, mb))
+    model.requires_grad_(False)  # as ZeRO-3's gathered copy (update.zero.scoring) and a reference
+    with torch.no_grad():
+        scored = _matrix_products(lambda: response_parts(model, mb))
+    assert scored == trained
+    assert ("mm", (3 * 6, 100)) in trained  # the head: [B * (R + 1), V] in one product
