@@ -189,7 +189,8 @@ def _shared_prompt_logits(model, mb: dict, dev) -> list[torch.Tensor]:
     index = mb["prompt_index"].to(dev)
     cache = Cache(layer_class_to_replicate=PromptKV)
     out = model(input_ids=mb["prompt_ids"].to(dev), attention_mask=prompt_mask,
-                position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1,
+                position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                logits_to_keep=kept_positions(prompt_mask.shape[1], 1, dev),
                 past_key_values=cache, use_cache=True)
     first = out.logits[index]  # [B, 1, V]: the prompt's last position scores token 0
     responses = mb["response_ids"].to(dev)

@@ -83,7 +83,8 @@ def _matrix_products(fn) -> list[tuple]:
     return record.ops
 
 
-def test_the_old_logprob_pass_and_the_training_forward_run_the_same_matrix_products():
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_the_old_logprob_pass_and_the_training_forward_run_the_same_matrix_products(share_prompts):
     """With weights that need no gradient (the old-logprob pass on ZeRO-3's gathered copy, a
     frozen reference) torch's linear sent the head's strided slice of the hidden states to a
     batched product (bmm) where the training forward folds it into one (mm): on MKL's SSE4.2
@@ -98,11 +99,13 @@ def test_the_old_logprob_pass_and_the_training_forward_run_the_same_matrix_produ
     model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1,
                                          vocab_size=100, tie_word_embeddings=False))
-    mb = collate([Sample(i, 0, list(range(5, 9 + i)), list(range(20, 23 + i)), [], "stop", "")
-                  for i in range(3)], 0)
+    # 4 samples, 2 groups: shared, each group's prompt runs once
+    mb = collate([Sample(i, i // 2, list(range(5, 9 + i // 2)), list(range(20, 23 + i)), [],
+                         "stop", "") for i in range(4)], 0, share_prompts=share_prompts)
     trained = _matrix_products(lambda: response_parts(model, mb))
     model.requires_grad_(False)  # as ZeRO-3's gathered copy (update.zero.scoring) and a reference
     with torch.no_grad():
         scored = _matrix_products(lambda: response_parts(model, mb))
     assert scored == trained
-    assert ("mm", (3 * 6, 100)) in trained  # the head: [B * (R + 1), V] in one product
+    # the head in one product: [B * (R + 1), V]; shared, the prompts' last positions [G, V]
+    assert ("mm", (2, 100) if share_prompts else (4 * 7, 100)) in trained
