@@ -28,10 +28,11 @@ def ds_config(cfg: TrainerConfig, world_size: int, grad_accum: int, train: bool 
             "stage": cfg.zero_stage if train or cfg.zero_stage == 3 else 0,
             # 0: shard every parameter, even tiny ones (DeepSpeed's default keeps < 1e5 whole).
             "stage3_param_persistence_threshold": cfg.zero3_persistence_threshold,
-            # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide
-            # and computes x @ W.t() with matmul: for the strided hidden states that
-            # logits_to_keep slices it falls back to a batched matmul that copies the weight once
-            # per sample (a large vocabulary's head then dominates the step on CPU)
+            # ZeRO-3's own linear (on by default) replaces torch.nn.functional.linear process-wide,
+            # the colocated engine's linears included, and computes x @ W.t() with matmul: on a
+            # strided input (the head's, while logits_to_keep was a count; kept_positions now
+            # gathers it) that falls back to a batched matmul copying the weight once per sample
+            # (a large vocabulary's head then dominated the step on CPU). zero3_linears instead
             "memory_efficient_linear": False,
         },
         "bf16": {"enabled": cfg.dtype == "bfloat16" and cfg.bf16_mode == "weights"},
@@ -153,10 +154,9 @@ def zero3_linears(model: torch.nn.Module) -> None:
     saves the view W.t() that holds the gathered weight's memory after ZeRO-3 has released it
     (with it a forward ended holding every weight). Instead of
     DeepSpeed's `memory_efficient_linear`, which replaces torch.nn.functional.linear in the
-    whole process: the colocated engine's linears and the head too, whose strided input
-    (logits_to_keep) sends its matmul to a batched copy of the weight per sample (a large
-    vocabulary's head then dominates the step on CPU). The head keeps torch's linear: its
-    backward comes right after its forward."""
+    whole process: the colocated engine's linears and the head too (whose matmul, on the strided
+    input a count of logits_to_keep made, fell back to a batched copy of the weight per sample).
+    The head keeps torch's linear: its backward comes right after its forward."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     blocks = _block_names(model)
